@@ -1,27 +1,89 @@
-"""The `rtfleet` command line: topology, plan and the lab."""
+"""rtfleet: read a host's CPU topology, plan its partition, run the lab."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from rtfleet import __version__
+import yaml
+
+from rtfleet import __version__, lab
+from rtfleet.planner import PlanError, plan_partition
+from rtfleet.render import render_plan_table, render_topology_table
+from rtfleet.topology import TopologyError, read_topology
+
+
+def _load_policy(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read the policy file ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PlanError(
+            f"{path}: a policy is a mapping of keys to values, got {type(data).__name__}"
+        )
+    # Accept a policy nested under `rtfleet_policy:` so an inventory group_vars file works too.
+    return data.get("rtfleet_policy", data)
+
+
+def _emit(data: dict, fmt: str, table) -> None:
+    if fmt == "json":
+        print(json.dumps(data, indent=2, sort_keys=False))
+    elif fmt == "yaml":
+        print(yaml.safe_dump(data, sort_keys=False, default_flow_style=None), end="")
+    else:
+        table(data)
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    _emit(read_topology(args.root), args.format, render_topology_table)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    topology = read_topology(args.root)
+    plan = plan_partition(topology, _load_policy(args.policy))
+    _emit(plan, args.format, lambda p: render_plan_table(topology, p))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtfleet", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rtfleet {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from rtfleet import lab
+
+    topo = sub.add_parser("topology", help="read a Linux host's CPU topology from /sys and /proc")
+    topo.add_argument("--root", default="/", help="directory holding sys/ and proc/ (default /)")
+    topo.add_argument("--format", choices=("table", "json", "yaml"), default="table")
+    topo.set_defaults(func=cmd_topology)
+
+    plan = sub.add_parser("plan", help="turn the topology and a policy into one CPU partition")
+    plan.add_argument("--root", default="/", help="directory holding sys/ and proc/ (default /)")
+    plan.add_argument("--policy", help="YAML policy file (see docs/policy.md); defaults apply")
+    plan.add_argument("--format", choices=("table", "json", "yaml"), default="table")
+    plan.set_defaults(func=cmd_plan)
 
     lab.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (TopologyError, PlanError) as exc:
+        print(f"rtfleet: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+# -*- coding: utf-8 -*-
+# Copyright: rtfleet contributors
+# Apache-2.0
+"""Ansible filters that expose rtfleet's planner to playbooks.
+
+The filters run on the controller and call the same ``rtfleet.planner`` as the CLI, so a
+role's kernel arguments, kubelet reserved set and unit pinning come from one computation.
+"""
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+from ansible.errors import AnsibleFilterError
+
+try:
+    from rtfleet.planner import PlanError, plan_partition
+    from rtfleet.topology import format_cpulist, parse_cpulist
+
+    _IMPORT_ERROR = None
+except ImportError as exc:  # pragma: no cover - depends on the controller's environment
+    _IMPORT_ERROR = exc
+
+
+def _require():
+    if _IMPORT_ERROR is not None:
+        raise AnsibleFilterError(
+            "the rtfleet Python package is not importable by this ansible-playbook (%s): run "
+            "`make setup` and use .venv/bin/ansible-playbook" % _IMPORT_ERROR
+        )
+
+
+def rtfleet_plan(topology, policy=None):
+    """{{ rtfleet_topology | rtfleet_plan(policy) }} -> the partition plan dict."""
+    _require()
+    if not isinstance(topology, dict):
+        raise AnsibleFilterError("rtfleet_plan expects the rtfleet_topology fact (a dict)")
+    try:
+        return plan_partition(topology, dict(policy or {}))
+    except PlanError as exc:
+        raise AnsibleFilterError("rtfleet plan: %s" % exc) from None
+
+
+def rtfleet_cpulist(cpus):
+    """[0, 1, 2, 8] -> "0-2,8"."""
+    _require()
+    return format_cpulist(cpus)
+
+
+def rtfleet_cpus(cpulist):
+    """ "0-2,8" -> [0, 1, 2, 8]."""
+    _require()
+    return parse_cpulist(str(cpulist))
+
+
+class FilterModule(object):
+    def filters(self):
+        return {
+            "rtfleet_plan": rtfleet_plan,
+            "rtfleet_cpulist": rtfleet_cpulist,
+            "rtfleet_cpus": rtfleet_cpus,
+        }

@@ -1,0 +1,736 @@
+"""Linux CPU topology discovery from sysfs and procfs.
+
+This file is the one implementation of topology parsing in rtfleet. It is stdlib-only and
+runs on Python >= 3.9 because it also ships to managed hosts as Ansible module_utils
+(``plugins/module_utils/rtfleet_topology.py`` is a symlink to it); the ``rtfleet`` CLI and
+the shminfer runtime import it as ``rtfleet.topology``.
+
+Everything is read under a root directory that holds ``sys/`` and ``proc/`` like a real
+root, so captured trees from other machines can be read exactly like the live host.
+
+CPU sets are sorted lists of ints inside; kernel cpulist strings ("0-3,8") only at the
+edges (:func:`parse_cpulist`, :func:`format_cpulist`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+SCHEMA_VERSION = 1
+
+# DMI vendors / products that identify a hypervisor even when cpuinfo hides the flag.
+_DMI_HYPERVISORS = (
+    ("vmware", "vmware"),
+    ("qemu", "kvm"),
+    ("kvm", "kvm"),
+    ("microsoft corporation", "hyperv"),  # only with product "Virtual Machine", see below
+    ("xen", "xen"),
+    ("innotek", "virtualbox"),
+    ("oracle corporation", "virtualbox"),
+    ("amazon ec2", "kvm"),
+    ("google", "kvm"),
+    ("openstack", "kvm"),
+    ("nutanix", "kvm"),
+    ("parallels", "parallels"),
+    ("bhyve", "bhyve"),
+)
+
+
+class TopologyError(Exception):
+    """Unreadable or malformed topology input; the message names the file."""
+
+    def __init__(self, path, message):
+        self.path = path
+        Exception.__init__(self, f"{path}: {message}")
+
+
+# --------------------------------------------------------------------------- cpulists
+
+
+def parse_cpulist(text, path="<cpulist>"):
+    """Parse a kernel cpulist ("0-3,8,10-15:2") into a sorted list of ints."""
+    text = _clean(text)
+    cpus = set()
+    if not text or text == "(null)":
+        return []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        stride = 1
+        if ":" in part:
+            # "0-15:2/4" group syntax (used on the kernel command line) and "a-b:s" stride
+            part, _, step = part.partition(":")
+            step = step.split("/")[0]
+            if not step.isdigit() or int(step) == 0:
+                raise TopologyError(path, f"bad cpulist stride {step!r} in {text!r}")
+            stride = int(step)
+        if "-" in part:
+            lo, _, hi = part.partition("-")
+            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+                raise TopologyError(path, f"bad cpulist range {part!r} in {text!r}")
+            cpus.update(range(int(lo), int(hi) + 1, stride))
+        elif part.isdigit():
+            cpus.add(int(part))
+        else:
+            raise TopologyError(path, f"bad cpulist entry {part!r} in {text!r}")
+    return sorted(cpus)
+
+
+def format_cpulist(cpus):
+    """Format CPU ids as a kernel cpulist string ("0-3,8"); empty set gives ""."""
+    ids = sorted({int(c) for c in cpus})
+    ranges = []
+    start = prev = None
+    for cpu in ids:
+        if start is None:
+            start = prev = cpu
+        elif cpu == prev + 1:
+            prev = cpu
+        else:
+            ranges.append((start, prev))
+            start = prev = cpu
+    if start is not None:
+        ranges.append((start, prev))
+    return ",".join(str(a) if a == b else "%d-%d" % (a, b) for a, b in ranges)
+
+
+def parse_cpumask(text, path="<cpumask>"):
+    """Parse a kernel hex cpumask ("00000000,000000ff") into a sorted list of ints."""
+    text = _clean(text).replace(",", "")
+    if text.startswith(("0x", "0X")):
+        text = text[2:]
+    if not text:
+        return []
+    try:
+        value = int(text, 16)
+    except ValueError:
+        raise TopologyError(path, f"not a hex cpumask: {text!r}") from None
+    cpus = []
+    bit = 0
+    while value:
+        if value & 1:
+            cpus.append(bit)
+        value >>= 1
+        bit += 1
+    return cpus
+
+
+def format_cpumask(cpus):
+    """Format CPU ids as a kernel hex mask with 32-bit comma groups ("ff,00000000")."""
+    value = 0
+    for cpu in cpus:
+        value |= 1 << int(cpu)
+    text = f"{value:x}"
+    groups = []
+    while text:
+        groups.insert(0, text[-8:])
+        text = text[:-8]
+    if not groups:
+        return "0"
+    return ",".join([groups[0]] + [g.zfill(8) for g in groups[1:]])
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _clean(text):
+    return text.replace("\x00", "").strip()
+
+
+class _Reader:
+    """Reads files under a root; every error names the file."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def path(self, rel):
+        return os.path.join(self.root, rel.lstrip("/"))
+
+    def exists(self, rel):
+        return os.path.exists(self.path(rel))
+
+    def read(self, rel, default=None):
+        path = self.path(rel)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            if default is not None:
+                return default
+            raise TopologyError(path, "missing") from None
+        except (IsADirectoryError, NotADirectoryError):
+            raise TopologyError(path, "expected a file") from None
+        except OSError as exc:
+            if default is not None:
+                return default
+            raise TopologyError(path, f"unreadable ({exc.strerror})") from None
+        return _clean(data.decode("utf-8", "replace"))
+
+    def read_int(self, rel, default=None):
+        text = self.read(rel, default="" if default is not None else None)
+        if text == "" and default is not None:
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise TopologyError(self.path(rel), f"expected an integer, got {text!r}") from None
+
+    def read_cpus(self, list_rel, mask_rel=None, default=None):
+        """Read a cpulist file, falling back to its hex-mask twin."""
+        if self.exists(list_rel):
+            return parse_cpulist(self.read(list_rel), self.path(list_rel))
+        if mask_rel and self.exists(mask_rel):
+            return parse_cpumask(self.read(mask_rel), self.path(mask_rel))
+        if default is not None:
+            return default
+        raise TopologyError(self.path(list_rel), "missing (and no mask file beside it)")
+
+    def listdir(self, rel):
+        try:
+            return sorted(os.listdir(self.path(rel)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise TopologyError(self.path(rel), f"unreadable ({exc.strerror})") from None
+
+
+def _numbered(names, prefix):
+    """{N: name} for entries named prefixN (cpu12, node3, index2)."""
+    found = {}
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            found[int(name[len(prefix) :])] = name
+    return found
+
+
+_CPU = "sys/devices/system/cpu"
+_NODE = "sys/devices/system/node"
+
+
+def _online_cpus(reader):
+    if reader.exists(_CPU + "/online"):
+        return parse_cpulist(reader.read(_CPU + "/online"), reader.path(_CPU + "/online"))
+    # Very old or stripped trees: a CPU is online when its topology directory exists.
+    cpu_dirs = _numbered(reader.listdir(_CPU), "cpu")
+    if not cpu_dirs:
+        raise TopologyError(reader.path(_CPU), "no CPUs found (is this a Linux root?)")
+    online = []
+    for cpu in sorted(cpu_dirs):
+        state = reader.read("%s/cpu%d/online" % (_CPU, cpu), default="1")
+        if state == "1" and reader.exists("%s/cpu%d/topology" % (_CPU, cpu)):
+            online.append(cpu)
+    return online
+
+
+def _topology_set(reader, cpu, list_name, mask_name, fallback):
+    base = "%s/cpu%d/topology/" % (_CPU, cpu)
+    cpus = reader.read_cpus(base + list_name, base + mask_name, default=[])
+    return cpus or fallback
+
+
+def _read_cpus(reader, online):
+    """Per online CPU: package, die, cluster, core, siblings."""
+    cpus = {}
+    for cpu in online:
+        base = "%s/cpu%d/topology/" % (_CPU, cpu)
+        if not reader.exists(base):
+            raise TopologyError(
+                reader.path(base), "CPU %d is listed online but has no topology directory" % cpu
+            )
+        package = reader.read_int(base + "physical_package_id", default=0)
+        die = (
+            reader.read_int(base + "die_id", default=-1) if reader.exists(base + "die_id") else None
+        )
+        cluster = (
+            reader.read_int(base + "cluster_id", default=-1)
+            if reader.exists(base + "cluster_id")
+            else None
+        )
+        core_id = reader.read_int(base + "core_id", default=cpu)
+        siblings = _topology_set(reader, cpu, "core_cpus_list", "core_cpus", [])
+        if not siblings:
+            siblings = _topology_set(reader, cpu, "thread_siblings_list", "thread_siblings", [cpu])
+        package_cpus = _topology_set(reader, cpu, "package_cpus_list", "package_cpus", [])
+        if not package_cpus:
+            package_cpus = _topology_set(reader, cpu, "core_siblings_list", "core_siblings", [])
+        die_cpus = _topology_set(reader, cpu, "die_cpus_list", "die_cpus", [])
+        cluster_cpus = _topology_set(reader, cpu, "cluster_cpus_list", "cluster_cpus", [])
+        online_set = set(online)
+        cpus[cpu] = {
+            "package": package,
+            "die": die,
+            "cluster": cluster,
+            "core_id": core_id,
+            "siblings": sorted(set(siblings) & online_set) or [cpu],
+            "package_cpus": sorted(set(package_cpus) & online_set),
+            "die_cpus": sorted(set(die_cpus) & online_set),
+            "cluster_cpus": sorted(set(cluster_cpus) & online_set),
+        }
+    return cpus
+
+
+def _read_caches(reader, cpu, online_set):
+    """{level: [{type, cpus, id, size}]} of the unified/data caches this CPU sees."""
+    caches = {}
+    base = "%s/cpu%d/cache" % (_CPU, cpu)
+    for _idx, name in sorted(_numbered(reader.listdir(base), "index").items()):
+        rel = f"{base}/{name}/"
+        if not reader.exists(rel + "level"):
+            continue
+        level = reader.read_int(rel + "level")
+        ctype = reader.read(rel + "type", default="Unified")
+        if ctype == "Instruction":
+            continue
+        shared = reader.read_cpus(rel + "shared_cpu_list", rel + "shared_cpu_map", default=[cpu])
+        cache_id = reader.read_int(rel + "id", default=-1) if reader.exists(rel + "id") else None
+        caches[level] = {
+            "type": ctype,
+            "cpus": sorted(set(shared) & online_set) or [cpu],
+            "id": cache_id,
+            "size": reader.read(rel + "size", default="") or None,
+        }
+    return caches
+
+
+def _read_nodes(reader, online):
+    """NUMA nodes as [{id, cpus, memory_kb}]; no node/ directory means node 0 has all."""
+    node_dirs = _numbered(reader.listdir(_NODE), "node")
+    if not node_dirs:
+        return [{"id": 0, "cpus": list(online), "memory_kb": None}], False
+    online_set = set(online)
+    nodes = []
+    for node_id in sorted(node_dirs):
+        rel = "%s/node%d/" % (_NODE, node_id)
+        cpus = reader.read_cpus(rel + "cpulist", rel + "cpumap", default=[])
+        memory_kb = None
+        meminfo = reader.read(rel + "meminfo", default="")
+        match = re.search(r"MemTotal:\s*(\d+)\s*kB", meminfo)
+        if match:
+            memory_kb = int(match.group(1))
+        nodes.append(
+            {"id": node_id, "cpus": sorted(set(cpus) & online_set), "memory_kb": memory_kb}
+        )
+    placed = set()
+    for node in nodes:
+        overlap = placed & set(node["cpus"])
+        if overlap:
+            raise TopologyError(
+                reader.path("%s/node%d/cpulist" % (_NODE, node["id"])),
+                f"CPUs {format_cpulist(overlap)} appear in more than one NUMA node",
+            )
+        placed.update(node["cpus"])
+    missing = online_set - placed
+    if missing:
+        raise TopologyError(
+            reader.path(_NODE),
+            f"online CPUs {format_cpulist(missing)} belong to no NUMA node",
+        )
+    return nodes, True
+
+
+def _parse_cpuinfo(text):
+    """Blocks of `key: value` per processor, plus the architecture they imply."""
+    blocks = []
+    current = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if current:
+                blocks.append(current)
+                current = {}
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            current[key.strip().lower()] = value.strip()
+    if current:
+        blocks.append(current)
+    first = blocks[0] if blocks else {}
+    if first.get("vendor_id", "").startswith("IBM/S390"):
+        arch = "s390x"
+    elif "vendor_id" in first:
+        arch = "x86_64"
+    elif "cpu implementer" in first or any("cpu implementer" in b for b in blocks):
+        arch = "aarch64"
+    elif "isa" in first:
+        arch = "riscv64"
+    elif first.get("cpu", "").upper().startswith("POWER"):
+        arch = "ppc64le"
+    else:
+        arch = "unknown"
+    return blocks, arch
+
+
+def _kernel_info(reader):
+    cmdline = reader.read("proc/cmdline", default="")
+    version = reader.read("proc/version", default="")
+    release = reader.read("proc/sys/kernel/osrelease", default="")
+    if not release:
+        match = re.search(r"Linux version (\S+)", version)
+        release = match.group(1) if match else ""
+    realtime = reader.read("sys/kernel/realtime", default="0") == "1"
+    if not realtime and "PREEMPT_RT" in version:
+        realtime = True
+    if realtime:
+        preempt = "PREEMPT_RT"
+    elif "PREEMPT_DYNAMIC" in version:
+        preempt = "PREEMPT_DYNAMIC"
+    elif re.search(r"\bPREEMPT\b", version):
+        preempt = "PREEMPT"
+    else:
+        preempt = "none" if version else "unknown"
+    args = _split_cmdline(cmdline)
+    return {
+        "release": release,
+        "version": version,
+        "flavour": "rt" if realtime else "stock",
+        "preempt": preempt,
+        "realtime": realtime,
+        "cmdline": cmdline,
+        "cmdline_args": args,
+    }
+
+
+def _split_cmdline(cmdline):
+    """Kernel arguments as {name: value-or-None}; later repeats win, like the kernel.
+
+    Everything after a lone "--" belongs to init, not the kernel.
+    """
+    args = {}
+    for token in re.findall(r'(?:[^\s"]+|"[^"]*")+', cmdline):
+        if token == "--":
+            break
+        key, sep, value = token.partition("=")
+        args[key] = value.strip('"') if sep else None
+    return args
+
+
+def _isolation(reader, kernel, online):
+    isolated_rel = _CPU + "/isolated"
+    nohz_rel = _CPU + "/nohz_full"
+    isolated = (
+        parse_cpulist(reader.read(isolated_rel), reader.path(isolated_rel))
+        if reader.exists(isolated_rel)
+        else []
+    )
+    nohz = (
+        parse_cpulist(reader.read(nohz_rel), reader.path(nohz_rel))
+        if reader.exists(nohz_rel)
+        else []
+    )
+    args = kernel["cmdline_args"]
+    rcu_nocbs = []
+    if args.get("rcu_nocbs"):
+        rcu_nocbs = parse_cpulist(args["rcu_nocbs"], "/proc/cmdline rcu_nocbs=")
+    isolcpus_flags = []
+    if args.get("isolcpus"):
+        parts = args["isolcpus"].split(",")
+        isolcpus_flags = [p for p in parts if p and not p[0].isdigit()]
+    return {
+        "isolated": isolated,
+        "nohz_full": nohz,
+        "rcu_nocbs": rcu_nocbs,
+        "isolcpus_flags": isolcpus_flags,
+        "irqaffinity": args.get("irqaffinity"),
+        "housekeeping_guess": sorted(set(online) - set(isolated) - set(nohz)),
+    }
+
+
+def _smt(reader, cores):
+    control = reader.read(_CPU + "/smt/control", default="")
+    active = reader.read(_CPU + "/smt/active", default="")
+    threads = max((len(core["cpus"]) for core in cores), default=1)
+    return {
+        "control": control or None,
+        "active": (active == "1") if active else threads > 1,
+        "threads_per_core": threads,
+    }
+
+
+def _virtualization(reader, cpuinfo_blocks, arch):
+    flags = set(cpuinfo_blocks[0].get("flags", "").split()) if cpuinfo_blocks else set()
+    dmi = {}
+    for key in ("sys_vendor", "product_name", "board_vendor", "bios_vendor", "product_version"):
+        value = reader.read("sys/class/dmi/id/" + key, default="")
+        dmi[key] = value or None
+    hypervisor = None
+    evidence = []
+    if "hypervisor" in flags:
+        evidence.append("/proc/cpuinfo flags include 'hypervisor'")
+    xen_type = reader.read("sys/hypervisor/type", default="")
+    if xen_type:
+        hypervisor = xen_type
+        evidence.append(f"/sys/hypervisor/type is {xen_type!r}")
+    vendor = (dmi["sys_vendor"] or "").lower()
+    product = (dmi["product_name"] or "").lower()
+    for needle, name in _DMI_HYPERVISORS:
+        if needle in vendor or needle in product:
+            if name == "hyperv" and "virtual" not in product:
+                continue
+            hypervisor = hypervisor or name
+            evidence.append(
+                "DMI says {!r} / {!r}".format(dmi["sys_vendor"] or "", dmi["product_name"] or "")
+            )
+            break
+    is_virtual = bool(evidence)
+    if is_virtual and hypervisor is None:
+        hypervisor = "unknown"
+    return {
+        "is_virtual": is_virtual,
+        "hypervisor": hypervisor,
+        "evidence": evidence,
+        "dmi_vendor": dmi["sys_vendor"],
+        "dmi_product": dmi["product_name"],
+        "dmi": dmi,
+        "arch": arch,
+    }
+
+
+def _deception(virt, cpus, packages, nodes, l3_groups, l3_source):
+    """Does this VM hide its real topology? The verdict and the facts behind it."""
+    evidence = []
+    n_cpus = len(cpus)
+    n_packages = len(packages)
+    one_cpu_per_socket = n_packages > 1 and all(len(p["cpus"]) == 1 for p in packages)
+    if one_cpu_per_socket:
+        evidence.append(
+            "%d CPUs are presented as %d sockets of 1 core each; no real server has "
+            "more than a handful of sockets" % (n_cpus, n_packages)
+        )
+    elif n_packages > 8:
+        evidence.append("%d sockets presented; real servers have at most 8" % n_packages)
+    numa_hidden = len(nodes) == 1 and n_packages > 1
+    if numa_hidden:
+        evidence.append(
+            "%d sockets but a single NUMA node: memory locality is hidden from the guest"
+            % n_packages
+        )
+    if n_cpus > 1 and l3_source == "cache" and all(len(g["cpus"]) == 1 for g in l3_groups):
+        evidence.append("every CPU reports a private L3: cache sharing (CCX) is hidden")
+    elif l3_source == "package+numa" and n_cpus > 1:
+        evidence.append("no L3 cache topology is exposed")
+    deceptive = bool(virt["is_virtual"] and (one_cpu_per_socket or numa_hidden or n_packages > 8))
+    if deceptive:
+        evidence = list(virt["evidence"]) + evidence
+    return {
+        "deceptive": deceptive,
+        "evidence": evidence if (deceptive or virt["is_virtual"]) else [],
+        "summary": (
+            "virtual machine hides its CPU topology: pinning to L3 groups or NUMA nodes "
+            "is meaningless here"
+            if deceptive
+            else (
+                "virtual machine with a plausible topology" if virt["is_virtual"] else "bare metal"
+            )
+        ),
+    }
+
+
+def _core_types(reader):
+    """Intel hybrid: {cpu: 'performance'|'efficiency'} from the PMU device lists."""
+    types = {}
+    for pmu, kind in (("cpu_core", "performance"), ("cpu_atom", "efficiency")):
+        rel = f"sys/devices/{pmu}/cpus"
+        if reader.exists(rel):
+            for cpu in parse_cpulist(reader.read(rel), reader.path(rel)):
+                types[cpu] = kind
+    return types
+
+
+def _group(cpus, key_of):
+    groups = {}
+    for cpu in sorted(cpus):
+        groups.setdefault(key_of(cpu), []).append(cpu)
+    return groups
+
+
+def read_topology(root="/"):
+    """Read the CPU topology of the Linux root at ``root`` and return a plain dict.
+
+    Raises TopologyError (naming the file) for unreadable or malformed input.
+    """
+    if not os.path.isdir(root):
+        raise TopologyError(root, "not a directory")
+    reader = _Reader(root)
+    if not reader.exists(_CPU):
+        raise TopologyError(reader.path(_CPU), "missing: ROOT must hold sys/ and proc/ like /")
+    online = _online_cpus(reader)
+    if not online:
+        raise TopologyError(reader.path(_CPU + "/online"), "no online CPUs")
+    online_set = set(online)
+    per_cpu = _read_cpus(reader, online)
+
+    # Cores: sibling groups (the kernel's core_cpus), never split.
+    cores_by_first = {}
+    for cpu in online:
+        siblings = per_cpu[cpu]["siblings"]
+        if cpu not in siblings:
+            siblings = sorted(set(siblings) | {cpu})
+        cores_by_first.setdefault(siblings[0], siblings)
+    seen = {}
+    for siblings in cores_by_first.values():
+        for cpu in siblings:
+            if cpu in seen and seen[cpu] != siblings:
+                raise TopologyError(
+                    reader.path("%s/cpu%d/topology/core_cpus_list" % (_CPU, cpu)),
+                    "CPU %d is in two different sibling sets" % cpu,
+                )
+            seen[cpu] = siblings
+    core_types = _core_types(reader)
+
+    nodes, has_numa_dir = _read_nodes(reader, online)
+    node_of = {}
+    for node in nodes:
+        for cpu in node["cpus"]:
+            node_of[cpu] = node["id"]
+
+    caches = {cpu: _read_caches(reader, cpu, online_set) for cpu in online}
+
+    # Packages, in the kernel's own ids.
+    packages = [
+        {"id": pkg, "cpus": cpus}
+        for pkg, cpus in sorted(_group(online, lambda c: per_cpu[c]["package"]).items())
+    ]
+    package_of = {cpu: per_cpu[cpu]["package"] for cpu in online}
+
+    # Dies and clusters when the kernel reports them.
+    dies = []
+    if all(per_cpu[c]["die"] is not None for c in online):
+        for (pkg, die), cpus in sorted(
+            _group(online, lambda c: (per_cpu[c]["package"], per_cpu[c]["die"])).items()
+        ):
+            dies.append({"id": die, "package": pkg, "cpus": cpus})
+    clusters = []
+    if all(per_cpu[c]["cluster"] is not None for c in online):
+        for (pkg, cluster), cpus in sorted(
+            _group(online, lambda c: (per_cpu[c]["package"], per_cpu[c]["cluster"])).items()
+        ):
+            clusters.append({"id": cluster, "package": pkg, "cpus": cpus})
+
+    # L3 groups: CPUs sharing one last-level cache. A CPU without cache data joins the
+    # set another CPU reports it in; CPUs nobody reports fall back to the smallest thing
+    # known to share memory locality (package x NUMA node).
+    members = {}
+    cache_of = {}
+    for cpu in online:
+        if 3 not in caches[cpu]:
+            continue
+        shared = tuple(sorted(set(caches[cpu][3]["cpus"]) | {cpu}))
+        for member in shared:
+            if members.setdefault(member, shared) != shared:
+                raise TopologyError(
+                    reader.path("%s/cpu%d/cache" % (_CPU, cpu)),
+                    "CPU %d is in two different L3 sharing sets (%s and %s)"
+                    % (member, format_cpulist(members[member]), format_cpulist(shared)),
+                )
+        cache_of.setdefault(shared, caches[cpu][3])
+    uncovered = [cpu for cpu in online if cpu not in members]
+    if not cache_of:
+        l3_source = "package+numa"
+    elif uncovered:
+        l3_source = "cache+package+numa"
+    else:
+        l3_source = "cache"
+    l3_groups = [
+        {"cpus": list(shared), "cache_id": info["id"], "size": info["size"]}
+        for shared, info in cache_of.items()
+    ]
+    for cpus in _group(uncovered, lambda c: (package_of[c], node_of[c])).values():
+        l3_groups.append({"cpus": cpus, "cache_id": None, "size": None})
+    l3_groups.sort(key=lambda g: g["cpus"][0])
+    result_l3 = []
+    for index, group in enumerate(l3_groups):
+        group_nodes = sorted({node_of[c] for c in group["cpus"]})
+        group_pkgs = sorted({package_of[c] for c in group["cpus"]})
+        result_l3.append(
+            {
+                "id": index,
+                "cpus": group["cpus"],
+                "numa_node": group_nodes[0] if len(group_nodes) == 1 else None,
+                "numa_nodes": group_nodes,
+                "package": group_pkgs[0] if len(group_pkgs) == 1 else None,
+                "cache_id": group["cache_id"],
+                "size": group["size"],
+            }
+        )
+
+    cores = []
+    for siblings in sorted(cores_by_first.values(), key=lambda s: s[0]):
+        first = siblings[0]
+        core = {
+            "cpus": siblings,
+            "core_id": per_cpu[first]["core_id"],
+            "package": package_of[first],
+            "numa_node": node_of[first],
+        }
+        if core_types:
+            core["type"] = core_types.get(first, "unknown")
+        cores.append(core)
+    l3_of = {cpu: g["id"] for g in result_l3 for cpu in g["cpus"]}
+    for core in cores:
+        core["l3_group"] = l3_of[core["cpus"][0]]
+
+    for node in nodes:
+        node["l3_groups"] = sorted({l3_of[c] for c in node["cpus"]})
+        node["packages"] = sorted({package_of[c] for c in node["cpus"]})
+
+    cpuinfo_text = reader.read("proc/cpuinfo", default="")
+    cpuinfo_blocks, arch = _parse_cpuinfo(cpuinfo_text)
+    first = cpuinfo_blocks[0] if cpuinfo_blocks else {}
+    vendor = first.get("vendor_id") or _arm_vendor(first.get("cpu implementer")) or None
+    model_name = first.get("model name") or first.get("cpu") or None
+
+    kernel = _kernel_info(reader)
+    virt = _virtualization(reader, cpuinfo_blocks, arch)
+    virt["deception"] = _deception(virt, online, packages, nodes, result_l3, l3_source)
+    smt = _smt(reader, cores)
+
+    present_rel = _CPU + "/present"
+    present = (
+        parse_cpulist(reader.read(present_rel), reader.path(present_rel))
+        if reader.exists(present_rel)
+        else list(online)
+    )
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "root": root,
+        "arch": arch,
+        "vendor": vendor,
+        "model_name": model_name,
+        "cpus": online,
+        "present_cpus": present,
+        "offline_cpus": sorted(set(present) - online_set),
+        "packages": packages,
+        "dies": dies,
+        "clusters": clusters,
+        "numa_nodes": nodes,
+        "numa_source": "sysfs" if has_numa_dir else "assumed (no node/ directory)",
+        "l3_groups": result_l3,
+        "l3_source": l3_source,
+        "cores": cores,
+        "smt": smt,
+        "hybrid": bool(core_types),
+        "kernel": kernel,
+        "isolation": _isolation(reader, kernel, online),
+        "virtualization": virt,
+    }
+
+
+_ARM_IMPLEMENTERS = {
+    "0x41": "ARM",
+    "0x42": "Broadcom",
+    "0x43": "Cavium",
+    "0x48": "HiSilicon",
+    "0x4e": "NVIDIA",
+    "0x50": "APM",
+    "0x51": "Qualcomm",
+    "0x61": "Apple",
+    "0xc0": "Ampere",
+}
+
+
+def _arm_vendor(implementer):
+    if not implementer:
+        return None
+    return _ARM_IMPLEMENTERS.get(implementer.lower(), "arm-" + implementer.lower())
