@@ -173,7 +173,8 @@ def _choose_housekeeping(topology, policy, core_of):
         unknown = sorted(set(explicit) - online)
         if unknown:
             raise PlanError(
-                f"housekeeping_cpus names CPUs {format_cpulist(unknown)} that are not online on this host (online: {format_cpulist(online)})"
+                f"housekeeping_cpus names CPUs {format_cpulist(unknown)} that are not online on "
+                f"this host (online: {format_cpulist(online)})"
             )
         for cpu in explicit:
             siblings = core_of[cpu]
@@ -203,14 +204,19 @@ def _choose_housekeeping(topology, policy, core_of):
             if core not in seen:
                 seen.add(core)
                 node_cores.append(core)
-        if len(node_cores) <= wanted:
+        if len(node_cores) < wanted:
             raise PlanError(
-                "NUMA node %d has %d cores; housekeeping_cores_per_node=%d would leave nothing "
-                "for the runtime or pods: lower housekeeping_cores_per_node"
+                "NUMA node %d has only %d cores; housekeeping_cores_per_node=%d cannot be met: "
+                "lower housekeeping_cores_per_node or list housekeeping_cpus explicitly"
                 % (node["id"], len(node_cores), wanted)
             )
         for core in node_cores[:wanted]:
             housekeeping.extend(core)
+    if set(housekeeping) == online:
+        raise PlanError(
+            "housekeeping_cores_per_node=%d takes every CPU of this host, leaving nothing for "
+            "the runtime or pods: lower housekeeping_cores_per_node" % wanted
+        )
     return sorted(housekeeping)
 
 
@@ -323,14 +329,15 @@ def plan_partition(topology, policy=None):
         unknown = sorted(set(selector) - known)
         if unknown:
             raise PlanError(
-                f"runtime_l3_groups names L3 groups {unknown} that do not exist (this host has {format_cpulist(known)})"
+                f"runtime_l3_groups names L3 groups {unknown} that do not exist "
+                f"(this host has {format_cpulist(known)})"
             )
         runtime_units = [u for u in eligible if u["l3_group"] in selector]
         missing = sorted(set(selector) - {u["l3_group"] for u in runtime_units})
         if missing:
             raise PlanError(
-                f"L3 groups {missing} are wholly housekeeping or below runtime_min_cores: pick other "
-                "groups or change housekeeping"
+                f"L3 groups {missing} are wholly housekeeping or below runtime_min_cores: "
+                "pick other groups or change housekeeping"
             )
 
     for unit in runtime_units:

@@ -54,14 +54,13 @@ def parse_cpulist(text, path="<cpulist>"):
     cpus = set()
     if not text or text == "(null)":
         return []
-    for part in text.split(","):
-        part = part.strip()
+    for item in text.split(","):
+        part, _, step = item.strip().partition(":")
         if not part:
             continue
         stride = 1
-        if ":" in part:
+        if step:
             # "0-15:2/4" group syntax (used on the kernel command line) and "a-b:s" stride
-            part, _, step = part.partition(":")
             step = step.split("/")[0]
             if not step.isdigit() or int(step) == 0:
                 raise TopologyError(path, f"bad cpulist stride {step!r} in {text!r}")
@@ -140,38 +139,60 @@ def _clean(text):
 
 
 class _Reader:
-    """Reads files under a root; every error names the file."""
+    """Reads files under a root; every error names the file.
+
+    Reads try the file and treat "missing" as an answer rather than asking exists() first:
+    a 256-CPU host has thousands of these files and the round trips add up.
+    """
 
     def __init__(self, root):
-        self.root = root
+        self.root = root.rstrip("/") or ""
 
     def path(self, rel):
-        return os.path.join(self.root, rel.lstrip("/"))
+        return self.root + "/" + rel.lstrip("/")
 
     def exists(self, rel):
         return os.path.exists(self.path(rel))
 
-    def read(self, rel, default=None):
+    def read_opt(self, rel):
+        """The cleaned content, or None when the file does not exist."""
         path = self.path(rel)
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
         except FileNotFoundError:
-            if default is not None:
-                return default
-            raise TopologyError(path, "missing") from None
-        except (IsADirectoryError, NotADirectoryError):
+            return None
+        except NotADirectoryError:
+            return None
+        except IsADirectoryError:
             raise TopologyError(path, "expected a file") from None
         except OSError as exc:
-            if default is not None:
-                return default
             raise TopologyError(path, f"unreadable ({exc.strerror})") from None
         return _clean(data.decode("utf-8", "replace"))
 
+    def read(self, rel, default=None):
+        text = self.read_opt(rel)
+        if text is None:
+            if default is not None:
+                return default
+            raise TopologyError(self.path(rel), "missing")
+        return text
+
     def read_int(self, rel, default=None):
-        text = self.read(rel, default="" if default is not None else None)
-        if text == "" and default is not None:
-            return default
+        text = self.read_opt(rel)
+        if text is None or (text == "" and default is not None):
+            if default is not None:
+                return default
+            raise TopologyError(self.path(rel), "missing")
+        try:
+            return int(text)
+        except ValueError:
+            raise TopologyError(self.path(rel), f"expected an integer, got {text!r}") from None
+
+    def read_int_opt(self, rel):
+        text = self.read_opt(rel)
+        if text is None:
+            return None
         try:
             return int(text)
         except ValueError:
@@ -179,10 +200,12 @@ class _Reader:
 
     def read_cpus(self, list_rel, mask_rel=None, default=None):
         """Read a cpulist file, falling back to its hex-mask twin."""
-        if self.exists(list_rel):
-            return parse_cpulist(self.read(list_rel), self.path(list_rel))
-        if mask_rel and self.exists(mask_rel):
-            return parse_cpumask(self.read(mask_rel), self.path(mask_rel))
+        text = self.read_opt(list_rel)
+        if text is not None:
+            return parse_cpulist(text, self.path(list_rel))
+        text = self.read_opt(mask_rel) if mask_rel else None
+        if text is not None:
+            return parse_cpumask(text, self.path(mask_rel))
         if default is not None:
             return default
         raise TopologyError(self.path(list_rel), "missing (and no mask file beside it)")
@@ -190,7 +213,7 @@ class _Reader:
     def listdir(self, rel):
         try:
             return sorted(os.listdir(self.path(rel)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as exc:
             raise TopologyError(self.path(rel), f"unreadable ({exc.strerror})") from None
@@ -210,8 +233,9 @@ _NODE = "sys/devices/system/node"
 
 
 def _online_cpus(reader):
-    if reader.exists(_CPU + "/online"):
-        return parse_cpulist(reader.read(_CPU + "/online"), reader.path(_CPU + "/online"))
+    text = reader.read_opt(_CPU + "/online")
+    if text is not None:
+        return parse_cpulist(text, reader.path(_CPU + "/online"))
     # Very old or stripped trees: a CPU is online when its topology directory exists.
     cpu_dirs = _numbered(reader.listdir(_CPU), "cpu")
     if not cpu_dirs:
@@ -224,74 +248,58 @@ def _online_cpus(reader):
     return online
 
 
-def _topology_set(reader, cpu, list_name, mask_name, fallback):
-    base = "%s/cpu%d/topology/" % (_CPU, cpu)
-    cpus = reader.read_cpus(base + list_name, base + mask_name, default=[])
-    return cpus or fallback
-
-
 def _read_cpus(reader, online):
-    """Per online CPU: package, die, cluster, core, siblings."""
+    """Per online CPU: package, die, cluster, core id and SMT siblings."""
     cpus = {}
+    online_set = set(online)
     for cpu in online:
         base = "%s/cpu%d/topology/" % (_CPU, cpu)
-        if not reader.exists(base):
-            raise TopologyError(
-                reader.path(base), "CPU %d is listed online but has no topology directory" % cpu
-            )
-        package = reader.read_int(base + "physical_package_id", default=0)
-        die = (
-            reader.read_int(base + "die_id", default=-1) if reader.exists(base + "die_id") else None
+        package = reader.read_int_opt(base + "physical_package_id")
+        if package is None:
+            if not reader.exists(base):
+                raise TopologyError(
+                    reader.path(base),
+                    "CPU %d is listed online but has no topology directory" % cpu,
+                )
+            package = 0
+        siblings = (
+            reader.read_cpus(base + "core_cpus_list", base + "core_cpus", default=[])
+            or reader.read_cpus(base + "thread_siblings_list", base + "thread_siblings", default=[])
+            or [cpu]
         )
-        cluster = (
-            reader.read_int(base + "cluster_id", default=-1)
-            if reader.exists(base + "cluster_id")
-            else None
-        )
-        core_id = reader.read_int(base + "core_id", default=cpu)
-        siblings = _topology_set(reader, cpu, "core_cpus_list", "core_cpus", [])
-        if not siblings:
-            siblings = _topology_set(reader, cpu, "thread_siblings_list", "thread_siblings", [cpu])
-        package_cpus = _topology_set(reader, cpu, "package_cpus_list", "package_cpus", [])
-        if not package_cpus:
-            package_cpus = _topology_set(reader, cpu, "core_siblings_list", "core_siblings", [])
-        die_cpus = _topology_set(reader, cpu, "die_cpus_list", "die_cpus", [])
-        cluster_cpus = _topology_set(reader, cpu, "cluster_cpus_list", "cluster_cpus", [])
-        online_set = set(online)
         cpus[cpu] = {
             "package": package,
-            "die": die,
-            "cluster": cluster,
-            "core_id": core_id,
+            "die": reader.read_int_opt(base + "die_id"),
+            "cluster": reader.read_int_opt(base + "cluster_id"),
+            "core_id": reader.read_int(base + "core_id", default=cpu),
             "siblings": sorted(set(siblings) & online_set) or [cpu],
-            "package_cpus": sorted(set(package_cpus) & online_set),
-            "die_cpus": sorted(set(die_cpus) & online_set),
-            "cluster_cpus": sorted(set(cluster_cpus) & online_set),
         }
     return cpus
 
 
-def _read_caches(reader, cpu, online_set):
-    """{level: [{type, cpus, id, size}]} of the unified/data caches this CPU sees."""
-    caches = {}
-    base = "%s/cpu%d/cache" % (_CPU, cpu)
-    for _idx, name in sorted(_numbered(reader.listdir(base), "index").items()):
-        rel = f"{base}/{name}/"
-        if not reader.exists(rel + "level"):
+def _read_l3(reader, cpu, online_set):
+    """The L3 (last level, unified) cache this CPU sees: {cpus, id, size}, or None."""
+    base = "%s/cpu%d/cache/" % (_CPU, cpu)
+    # index3 is the L3 on every x86 and most arm64 kernels; scan the rest only if not.
+    names = ["index3"] + [
+        n for n in _numbered(reader.listdir(base), "index").values() if n != "index3"
+    ]
+    for name in names:
+        rel = base + name + "/"
+        level = reader.read_int_opt(rel + "level")
+        if level != 3:
+            if name == "index3" and level is None and not reader.exists(base):
+                return None
             continue
-        level = reader.read_int(rel + "level")
-        ctype = reader.read(rel + "type", default="Unified")
-        if ctype == "Instruction":
+        if reader.read(rel + "type", default="Unified") == "Instruction":
             continue
         shared = reader.read_cpus(rel + "shared_cpu_list", rel + "shared_cpu_map", default=[cpu])
-        cache_id = reader.read_int(rel + "id", default=-1) if reader.exists(rel + "id") else None
-        caches[level] = {
-            "type": ctype,
+        return {
             "cpus": sorted(set(shared) & online_set) or [cpu],
-            "id": cache_id,
+            "id": reader.read_int_opt(rel + "id"),
             "size": reader.read(rel + "size", default="") or None,
         }
-    return caches
+    return None
 
 
 def _read_nodes(reader, online):
@@ -331,10 +339,14 @@ def _read_nodes(reader, online):
 
 
 def _parse_cpuinfo(text):
-    """Blocks of `key: value` per processor, plus the architecture they imply."""
+    """The first `key: value` blocks, plus the architecture they imply.
+
+    Only the first two blocks are parsed: every field used is the same on all CPUs, and a
+    256-CPU cpuinfo is half a megabyte.
+    """
     blocks = []
     current = {}
-    for line in text.splitlines():
+    for line in "\n\n".join(text.split("\n\n", 2)[:2]).splitlines():
         if not line.strip():
             if current:
                 blocks.append(current)
@@ -486,7 +498,7 @@ def _virtualization(reader, cpuinfo_blocks, arch):
     }
 
 
-def _deception(virt, cpus, packages, nodes, l3_groups, l3_source):
+def _deception(virt, cpus, packages, nodes, l3_groups, *, l3_source):
     """Does this VM hide its real topology? The verdict and the facts behind it."""
     evidence = []
     n_cpus = len(cpus)
@@ -584,8 +596,6 @@ def read_topology(root="/"):
         for cpu in node["cpus"]:
             node_of[cpu] = node["id"]
 
-    caches = {cpu: _read_caches(reader, cpu, online_set) for cpu in online}
-
     # Packages, in the kernel's own ids.
     packages = [
         {"id": pkg, "cpus": cpus}
@@ -607,15 +617,19 @@ def read_topology(root="/"):
         ):
             clusters.append({"id": cluster, "package": pkg, "cpus": cpus})
 
-    # L3 groups: CPUs sharing one last-level cache. A CPU without cache data joins the
-    # set another CPU reports it in; CPUs nobody reports fall back to the smallest thing
-    # known to share memory locality (package x NUMA node).
+    # L3 groups: CPUs sharing one last-level cache. A CPU already seen in another CPU's
+    # sharing set is not read again (the kernel reports the same set for each member); a
+    # CPU without cache data joins the set another CPU reports it in. CPUs nobody reports
+    # fall back to the smallest thing known to share memory locality (package x node).
     members = {}
     cache_of = {}
     for cpu in online:
-        if 3 not in caches[cpu]:
+        if cpu in members:
             continue
-        shared = tuple(sorted(set(caches[cpu][3]["cpus"]) | {cpu}))
+        l3 = _read_l3(reader, cpu, online_set)
+        if l3 is None:
+            continue
+        shared = tuple(sorted(set(l3["cpus"]) | {cpu}))
         for member in shared:
             if members.setdefault(member, shared) != shared:
                 raise TopologyError(
@@ -623,7 +637,7 @@ def read_topology(root="/"):
                     "CPU %d is in two different L3 sharing sets (%s and %s)"
                     % (member, format_cpulist(members[member]), format_cpulist(shared)),
                 )
-        cache_of.setdefault(shared, caches[cpu][3])
+        cache_of[shared] = l3
     uncovered = [cpu for cpu in online if cpu not in members]
     if not cache_of:
         l3_source = "package+numa"
@@ -682,7 +696,7 @@ def read_topology(root="/"):
 
     kernel = _kernel_info(reader)
     virt = _virtualization(reader, cpuinfo_blocks, arch)
-    virt["deception"] = _deception(virt, online, packages, nodes, result_l3, l3_source)
+    virt["deception"] = _deception(virt, online, packages, nodes, result_l3, l3_source=l3_source)
     smt = _smt(reader, cores)
 
     present_rel = _CPU + "/present"

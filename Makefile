@@ -1,0 +1,66 @@
+# rtfleet — the two commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rtfleet-installed
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+# Lab hosts for the demo: NAME=TOPOLOGY (see lab/topologies/).
+DEMO_HOSTS ?= epyc1=epyc-2ccx vmware1=vmware-like
+
+.PHONY: help setup deps demo demo-down test test-vm lint unit molecule bench clean
+
+help:
+	@echo "make demo   - bring up the QEMU lab and run site.yml against it"
+	@echo "make test   - lint, unit tests and the lab-smoke Molecule scenario (boots VMs)"
+	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
+	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
+
+$(STAMP): pyproject.toml requirements/dev.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9) and "rtfleet needs Python >= 3.9")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements/dev.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+# Debian packages for the lab (QEMU, image builder); installs only what is missing.
+deps:
+	lab/install-deps.sh
+
+demo: setup deps
+	$(BIN)/rtfleet lab up $(DEMO_HOSTS)
+	$(BIN)/ansible-playbook site.yml
+	@echo "Lab hosts stay up for exploring: '$(BIN)/rtfleet lab status', '$(BIN)/rtfleet lab ssh HOST'; 'make demo-down' removes them."
+
+demo-down: setup
+	$(BIN)/rtfleet lab down --all
+
+lint: setup
+	$(BIN)/yamllint --strict .
+	$(BIN)/ansible-lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+unit: setup
+	$(BIN)/pytest -m "not vm"
+
+molecule: setup deps
+	$(BIN)/molecule test -s lab-smoke
+
+test: lint unit molecule
+
+# The pytest tests that boot lab VMs themselves (the Molecule scenario covers CI).
+test-vm: setup deps
+	$(BIN)/pytest -m vm
+
+bench: setup
+	$(BIN)/python benchmarks/bench_plan.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .hypothesis
