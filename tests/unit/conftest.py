@@ -1,0 +1,34 @@
+"""Shared fixtures: generated sysfs trees of real machine shapes, built once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import sysfs_gen  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def trees():
+    """trees(name) -> root of the generated tree for that shape (tests/fixtures/shapes/)."""
+    # Trees are ~10k tiny files per big shape; tmpfs keeps the suite fast on slow disks.
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(prefix="sysfs-gen-", dir=shm if os.access(shm, os.W_OK) else None))
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = sysfs_gen.build_tree(name, base / name)
+        return cache[name]
+
+    yield get
+    shutil.rmtree(base, ignore_errors=True)
