@@ -1,0 +1,321 @@
+"""`shminfer bench ipc`: this runtime against baselines measured in the same run.
+
+Every variant echoes a 16 KiB float32 request into a 32 KiB response between two pinned
+processes (client on --client-cpu, server on --server-cpu):
+
+* shminfer     -- this runtime (spin, then futex; zero-copy response views)
+* pipe_pickle  -- multiprocessing.Pipe + pickle
+* tcp_pickle   -- TCP over loopback + pickle, length-prefixed
+* sleep_poll   -- the field reports' design: the same SHM slots, 0.5 ms sleep polling
+
+For each it prints p50/p99/p99.9/max round trip and sequential throughput, then for
+shminfer and pipe_pickle: throughput with 4 requests in flight and the first request
+after 1 s idle; and, with a 1-thread numpy model, shminfer's deschedule p99.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import socket
+import struct
+import tempfile
+import time
+
+import numpy as np
+
+WIDTH = 4096  # float32 -> 16 KiB in, 32 KiB out
+
+
+def _pin(cpu):
+    if cpu is not None and cpu in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {cpu})
+
+
+def _stats(samples_ns, elapsed_s):
+    us = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return {
+        "p50_us": round(float(np.quantile(us, 0.5)), 2),
+        "p99_us": round(float(np.quantile(us, 0.99)), 2),
+        "p999_us": round(float(np.quantile(us, 0.999)), 2),
+        "max_us": round(float(us.max()), 2),
+        "rps": round(len(us) / elapsed_s, 1),
+        "requests": len(us),
+    }
+
+
+def _timed(call, requests):
+    samples = []
+    t_start = time.perf_counter()
+    for _ in range(requests):
+        t0 = time.perf_counter_ns()
+        call()
+        samples.append(time.perf_counter_ns() - t0)
+    return _stats(samples, time.perf_counter() - t_start)
+
+
+# ---------------------------------------------------------------- pickle baselines
+
+
+def _pipe_server(conn, cpu):
+    _pin(cpu)
+    while True:
+        message = conn.recv_bytes()
+        if not message:
+            return
+        x = pickle.loads(message)["x"]
+        conn.send_bytes(pickle.dumps({"y": np.concatenate([x, x], axis=-1)}, protocol=5))
+
+
+def _recv_exact(sock, n):
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("server closed")
+        got += k
+    return buf
+
+
+def _tcp_server(port_queue, cpu):
+    _pin(cpu)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        (length,) = struct.unpack("<I", _recv_exact(conn, 4))
+        if not length:
+            return
+        x = pickle.loads(_recv_exact(conn, length))["x"]
+        out = pickle.dumps({"y": np.concatenate([x, x], axis=-1)}, protocol=5)
+        conn.sendall(struct.pack("<I", len(out)) + out)
+
+
+class _PipeVariant:
+    def __init__(self, ctx, server_cpu):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_pipe_server, args=(child, server_cpu), daemon=True)
+        self.proc.start()
+
+    def send(self, inputs):
+        self.conn.send_bytes(pickle.dumps(inputs, protocol=5))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def call(self, inputs):
+        self.send(inputs)
+        return self.recv()
+
+    def close(self):
+        self.conn.send_bytes(b"")
+        self.proc.join(5)
+
+
+class _TcpVariant:
+    def __init__(self, ctx, server_cpu):
+        ports = ctx.Queue()
+        self.proc = ctx.Process(target=_tcp_server, args=(ports, server_cpu), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", ports.get(timeout=30)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(self, inputs):
+        data = pickle.dumps(inputs, protocol=5)
+        self.sock.sendall(struct.pack("<I", len(data)) + data)
+        (length,) = struct.unpack("<I", _recv_exact(self.sock, 4))
+        return pickle.loads(_recv_exact(self.sock, length))
+
+    def close(self):
+        self.sock.sendall(struct.pack("<I", 0))
+        self.sock.close()
+        self.proc.join(5)
+
+
+class _ShmVariant:
+    def __init__(self, server_cpu, *, wait_mode="futex", backend="echo", model=None, name=None):
+        from shminfer.client import Client  # noqa: PLC0415
+        from shminfer.server import Server  # noqa: PLC0415
+
+        name = name or f"bench{os.getpid()}{wait_mode}{backend}"
+        self.server = Server(
+            name,
+            [server_cpu],
+            numa_node=-1,
+            backend=backend,
+            model=model,
+            slots=16,
+            request_bytes=WIDTH * 4 + 4096,
+            response_bytes=2 * WIDTH * 4 + 4096,
+            worker_options={"sched": "off", "wait_mode": wait_mode, "spin_us": 200},
+        )
+        self.server.start()
+        self.client = Client(name, slots_per_worker=8, wait_mode=wait_mode, spin_us=200)
+        self.client.wait_ready(120)
+
+    def call(self, inputs):
+        return self.client.finish(self.client.start(inputs), copy=False)
+
+    def close(self):
+        self.client.close()
+        self.server.stop()
+
+
+def _in_flight(variant, inputs, requests, depth=4):
+    """Throughput with ``depth`` requests outstanding."""
+    t0 = time.perf_counter()
+    if isinstance(variant, _ShmVariant):
+        client = variant.client
+        pending = [client.start(inputs) for _ in range(depth)]
+        for _ in range(requests - depth):
+            client.finish(pending.pop(0), copy=False)
+            pending.append(client.start(inputs))
+        for p in pending:
+            client.finish(p, copy=False)
+    else:
+        for _ in range(depth):
+            variant.send(inputs)
+        for _ in range(requests - depth):
+            variant.recv()
+            variant.send(inputs)
+        for _ in range(depth):
+            variant.recv()
+    return round(requests / (time.perf_counter() - t0), 1)
+
+
+def _after_idle(variant, inputs, samples):
+    out = []
+    for _ in range(samples):
+        time.sleep(1.0)
+        t0 = time.perf_counter_ns()
+        variant.call(inputs)
+        out.append(time.perf_counter_ns() - t0)
+    return round(float(np.quantile(np.asarray(out) / 1e3, 0.5)), 2)
+
+
+def _deschedule(server_cpu, client_cpu, requests):
+    from shminfer.backends import make_model  # noqa: PLC0415
+    from shminfer.metrics import summarize  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(os.path.join(tmp, "mlp"), inputs=64, hidden=256, outputs=16)
+        variant = _ShmVariant(
+            server_cpu,
+            backend="numpy",
+            model=os.path.join(tmp, "mlp.npz"),
+            name=f"benchmlp{os.getpid()}",
+        )
+        _pin(client_cpu)
+        try:
+            obs = {"obs": np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)}
+            lane = variant.client.lanes[0]
+            head = lane.seg.get("ring_head")
+            for _ in range(requests):
+                variant.call(obs)
+            summary = summarize(lane.seg.ring_read(head)[0])
+        finally:
+            variant.close()
+    return summary
+
+
+def main(args) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    everywhere = os.sched_getaffinity(0)
+    inputs = {"x": np.random.default_rng(0).standard_normal((1, WIDTH)).astype(np.float32)}
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(names) - {"shminfer", "pipe_pickle", "tcp_pickle", "sleep_poll"})
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}")
+    results = {}
+    extras = {}
+    for name in names:
+        # Servers are started unpinned (they pin themselves), then the client pins.
+        os.sched_setaffinity(0, everywhere)
+        if name == "shminfer":
+            variant = _ShmVariant(args.server_cpu)
+        elif name == "sleep_poll":
+            variant = _ShmVariant(args.server_cpu, wait_mode="sleep")
+        elif name == "pipe_pickle":
+            variant = _PipeVariant(ctx, args.server_cpu)
+        else:
+            variant = _TcpVariant(ctx, args.server_cpu)
+        _pin(args.client_cpu)
+        try:
+            out = variant.call(inputs)
+            assert np.array_equal(out["y"][:, :WIDTH], inputs["x"]), f"{name}: wrong echo"
+            requests = args.requests if name != "sleep_poll" else max(200, args.requests // 20)
+            for _ in range(min(1000, requests // 10)):
+                variant.call(inputs)
+            results[name] = _timed(lambda v=variant: v.call(inputs), requests)
+            if name in ("shminfer", "pipe_pickle"):
+                extras[name] = {
+                    "rps_4_in_flight": _in_flight(variant, inputs, requests),
+                    "after_1s_idle_p50_us": _after_idle(variant, inputs, args.idle_samples),
+                }
+                results[name].update(extras[name])
+        finally:
+            variant.close()
+    report = {"variants": results}
+    if "shminfer" in results:
+        os.sched_setaffinity(0, everywhere)
+        summary = _deschedule(args.server_cpu, args.client_cpu, min(args.requests, 5000))
+        report["deschedule_1thread_model"] = {
+            "p50_ms": round(summary["deschedule_ms_p50"], 4),
+            "p99_ms": round(summary["deschedule_ms_p99"], 4),
+            "p999_ms": round(summary["deschedule_ms_p999"], 4),
+            "cpu_ratio": round(summary["cpu_ratio"], 3) if summary["cpu_ratio"] else None,
+        }
+        base = results["shminfer"]["p50_us"]
+        report["ratios_vs_shminfer_p50"] = {
+            n: round(r["p50_us"] / base, 1) for n, r in results.items() if n != "shminfer"
+        }
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+def _print(report):
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(highlight=False, width=160)
+    table = Table(title="IPC echo 16 KiB -> 32 KiB, pinned client/server", title_justify="left")
+    for col in (
+        "variant",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "max µs",
+        "req/s",
+        "req/s @4",
+        "1st after idle µs",
+        "p50 vs shminfer",
+    ):
+        table.add_column(col, justify="right")
+    ratios = report.get("ratios_vs_shminfer_p50", {})
+    for name, r in report["variants"].items():
+        table.add_row(
+            name,
+            f"{r['p50_us']:.1f}",
+            f"{r['p99_us']:.1f}",
+            f"{r['p999_us']:.1f}",
+            f"{r['max_us']:.0f}",
+            f"{r['rps']:.0f}",
+            f"{r['rps_4_in_flight']:.0f}" if "rps_4_in_flight" in r else "-",
+            f"{r['after_1s_idle_p50_us']:.1f}" if "after_1s_idle_p50_us" in r else "-",
+            "1.0x" if name == "shminfer" else (f"{ratios[name]}x" if name in ratios else "-"),
+        )
+    console.print(table)
+    d = report.get("deschedule_1thread_model")
+    if d:
+        console.print(
+            f"1-thread numpy MLP on shminfer: deschedule p50 {d['p50_ms']} ms, p99 {d['p99_ms']} "
+            f"ms, p99.9 {d['p999_ms']} ms; process/thread CPU ratio {d['cpu_ratio']}"
+        )

@@ -1,0 +1,301 @@
+"""shminfer: shared-memory inference runtime — serve, smoke, stats, bench, make-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from shminfer.backends import BACKENDS, BackendError, make_model
+from shminfer.client import Client, InferenceError
+from shminfer.codec import PayloadError
+from shminfer.metrics import summarize
+from shminfer.queue import QueueError, Segment
+from shminfer.registry import read_registry
+
+
+def _cpulist(text: str) -> list[int]:
+    from rtfleet.topology import TopologyError, parse_cpulist  # noqa: PLC0415
+
+    try:
+        cpus = parse_cpulist(text, "--cpus")
+    except TopologyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not cpus:
+        raise argparse.ArgumentTypeError("--cpus is empty")
+    return cpus
+
+
+def _node_of(cpus: list[int]) -> int:
+    """The NUMA node all of ``cpus`` sit on, from rtfleet's topology reader."""
+    from rtfleet.topology import read_topology  # noqa: PLC0415
+
+    topology = read_topology("/")
+    nodes = {n["id"] for n in topology["numa_nodes"] if set(cpus) & set(n["cpus"])}
+    if len(nodes) != 1:
+        raise QueueError(
+            f"CPUs {cpus} span NUMA nodes {sorted(nodes)}: run one server per node "
+            "(one per CCX), or pass --numa-node explicitly"
+        )
+    return nodes.pop()
+
+
+def cmd_serve(args) -> int:
+    from shminfer.server import Server, run_server  # noqa: PLC0415
+
+    numa_node = _node_of(args.cpus) if args.numa_node is None else args.numa_node
+    server = Server(
+        args.name,
+        args.cpus,
+        numa_node=numa_node,
+        backend=args.backend,
+        model=args.model,
+        slots=args.slots,
+        request_bytes=args.request_bytes,
+        response_bytes=args.response_bytes,
+        group=args.group,
+        worker_options={
+            "threads": 1,
+            "min_batch": args.min_batch,
+            "max_batch": args.max_batch,
+            "max_wait_us": args.max_wait_us,
+            "spin_us": args.spin_us,
+            "sched": args.sched,
+            "rt_priority": args.rt_priority,
+            "slow_cpu_ms": args.slow_cpu_ms,
+            "slow_wall_ms": args.slow_wall_ms,
+        },
+    )
+    return run_server(server, metrics_port=args.metrics_port)
+
+
+def _inputs_for(model: dict, batch: int, rng) -> dict:
+    inputs = {}
+    for name, spec in model["inputs"].items():
+        shape = [batch if d in (-1, None) else d for d in spec["shape"]]
+        shape[0] = batch
+        inputs[name] = rng.standard_normal(shape).astype(spec.get("dtype", "float32"))
+    return inputs
+
+
+def cmd_smoke(args) -> int:
+    rng = np.random.default_rng(0)
+    with Client(args.name, timeout=args.timeout) as client:
+        client.wait_ready(args.ready_timeout)
+        model = client.model
+        heads = [lane.seg.get("ring_head") for lane in client.lanes]
+        latencies = []
+        errors = 0
+        for _ in range(args.warmup):
+            client.infer(_inputs_for(model, args.batch, rng))
+        heads = [lane.seg.get("ring_head") for lane in client.lanes]
+        requests = [_inputs_for(model, args.batch, rng) for _ in range(min(args.requests, 64))]
+        for i in range(args.requests):
+            t0 = time.perf_counter_ns()
+            try:
+                client.infer(requests[i % len(requests)])
+            except (InferenceError, TimeoutError) as exc:
+                errors += 1
+                print(f"request {i}: {exc}", file=sys.stderr)
+                continue
+            latencies.append((time.perf_counter_ns() - t0) / 1e6)
+        records = np.concatenate(
+            [lane.seg.ring_read(since)[0] for lane, since in zip(client.lanes, heads)]
+        )
+    summary = summarize(records)
+    lat = np.array(latencies) if latencies else np.array([np.nan])
+    result = {
+        "server": args.name,
+        "requests": args.requests,
+        "errors": errors,
+        "latency_ms_p50": float(np.quantile(lat, 0.5)),
+        "latency_ms_p99": float(np.quantile(lat, 0.99)),
+        "latency_ms_p999": float(np.quantile(lat, 0.999)),
+        "latency_ms_max": float(lat.max()),
+        "slow_infer": int(
+            (
+                (records[:, 2] > args.slow_cpu_ms * 1e6) | (records[:, 1] > args.slow_wall_ms * 1e6)
+            ).sum()
+        )
+        if records.size
+        else 0,
+        **{k: v for k, v in summary.items() if k != "samples"},
+    }
+    failures = []
+    if errors > args.max_errors:
+        failures.append(f"{errors} errors > {args.max_errors}")
+    if result["latency_ms_p99"] > args.max_p99_ms:
+        failures.append(f"latency p99 {result['latency_ms_p99']:.3f} ms > {args.max_p99_ms} ms")
+    if summary.get("deschedule_ms_p999", 0.0) > args.max_deschedule_p999_ms:
+        failures.append(
+            f"deschedule p99.9 {summary['deschedule_ms_p999']:.3f} ms > "
+            f"{args.max_deschedule_p999_ms} ms"
+        )
+    ratio = summary.get("cpu_ratio")
+    if ratio is not None and ratio > args.max_cpu_ratio:
+        failures.append(f"process/thread CPU ratio {ratio:.3f} > {args.max_cpu_ratio}")
+    if result["slow_infer"] > args.max_slow_infer:
+        failures.append(f"{result['slow_infer']} slow_infer batches > {args.max_slow_infer}")
+    result["passed"] = not failures
+    result["failures"] = failures
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        _print_smoke(result)
+    return 0 if not failures else 1
+
+
+def _print_smoke(result):
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=f"shminfer smoke: {result['server']}", title_justify="left")
+    table.add_column("measure")
+    for col in ("p50", "p99", "p99.9", "max"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "round trip (ms)",
+        *(f"{result[f'latency_ms_{k}']:.3f}" for k in ("p50", "p99", "p999", "max")),
+    )
+    if result.get("batches"):
+        for label, key in (
+            ("infer wall (ms)", "wall_ms"),
+            ("deschedule (ms)", "deschedule_ms"),
+            ("queue wait (ms)", "queue_wait_ms"),
+        ):
+            table.add_row(
+                label, *(f"{result[f'{key}_{k}']:.3f}" for k in ("p50", "p99", "p999", "max"))
+            )
+    console = Console(highlight=False)
+    console.print(table)
+    ratio = result.get("cpu_ratio")
+    console.print(
+        f"requests {result['requests']}, errors {result['errors']}, batches "
+        f"{result.get('batches', 0)} (mean size {result.get('mean_batch', 0):.2f}), "
+        f"slow_infer {result['slow_infer']}, process/thread CPU ratio "
+        f"{'n/a' if ratio is None else f'{ratio:.3f}'}"
+    )
+    console.print("PASSED" if result["passed"] else "FAILED: " + "; ".join(result["failures"]))
+
+
+def cmd_stats(args) -> int:
+    from shminfer.metrics import prometheus_text  # noqa: PLC0415
+
+    registry = read_registry(args.name)
+    per_cpu = {}
+    for worker in registry["workers"]:
+        segment = Segment.attach(worker["segment"])
+        try:
+            per_cpu[worker["cpu"]] = summarize(segment.ring_read()[0])
+        finally:
+            segment.close()
+    if args.format == "prometheus":
+        print(prometheus_text(args.name, per_cpu), end="")
+    else:
+        print(json.dumps({"server": args.name, "workers": per_cpu}, indent=2))
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    for path in make_model(args.path, inputs=args.inputs, hidden=args.hidden, outputs=args.outputs):
+        print(path)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from shminfer import bench  # noqa: PLC0415
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shminfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run a server: one pinned worker per CPU")
+    serve.add_argument("--name", required=True, help="server name (names files in /dev/shm)")
+    serve.add_argument("--cpus", required=True, type=_cpulist, help="worker CPUs, e.g. 2-7")
+    serve.add_argument(
+        "--numa-node",
+        type=int,
+        help="bind the queue memory here (default: the node of --cpus; -1 disables binding)",
+    )
+    serve.add_argument("--backend", choices=sorted(BACKENDS), default="openvino")
+    serve.add_argument("--model", help="model path (.xml for openvino, .npz for numpy)")
+    serve.add_argument("--slots", type=int, default=64)
+    serve.add_argument("--request-bytes", type=int, default=65536)
+    serve.add_argument("--response-bytes", type=int, default=65536)
+    serve.add_argument("--min-batch", type=int, default=1)
+    serve.add_argument("--max-batch", type=int, default=16)
+    serve.add_argument(
+        "--max-wait-us", type=int, default=0, help="how long to wait for --min-batch requests"
+    )
+    serve.add_argument("--spin-us", type=int, default=50, help="idle spin before sleeping")
+    serve.add_argument(
+        "--sched",
+        choices=("infer", "always", "off"),
+        default="infer",
+        help="SCHED_FIFO while inferring, always, or never",
+    )
+    serve.add_argument("--rt-priority", type=int, default=10)
+    serve.add_argument("--slow-cpu-ms", type=float, default=100.0)
+    serve.add_argument("--slow-wall-ms", type=float, default=200.0)
+    serve.add_argument("--group", help="share segments with this group (mode 0660)")
+    serve.add_argument("--metrics-port", type=int, help="serve /metrics on 127.0.0.1:PORT")
+    serve.set_defaults(func=cmd_serve)
+
+    smoke = sub.add_parser("smoke", help="N requests against a running server, with gates")
+    smoke.add_argument("--name", required=True)
+    smoke.add_argument("-n", "--requests", type=int, default=1000)
+    smoke.add_argument("--warmup", type=int, default=50)
+    smoke.add_argument("--batch", type=int, default=1)
+    smoke.add_argument("--timeout", type=float, default=5.0)
+    smoke.add_argument("--ready-timeout", type=float, default=60.0)
+    smoke.add_argument("--max-p99-ms", type=float, default=50.0)
+    smoke.add_argument("--max-deschedule-p999-ms", type=float, default=1.0)
+    smoke.add_argument("--max-cpu-ratio", type=float, default=1.2)
+    smoke.add_argument("--max-errors", type=int, default=0)
+    smoke.add_argument("--max-slow-infer", type=int, default=0)
+    smoke.add_argument("--slow-cpu-ms", type=float, default=100.0)
+    smoke.add_argument("--slow-wall-ms", type=float, default=200.0)
+    smoke.add_argument("--format", choices=("table", "json"), default="table")
+    smoke.set_defaults(func=cmd_smoke)
+
+    stats = sub.add_parser("stats", help="percentiles from a running server's rings")
+    stats.add_argument("--name", required=True)
+    stats.add_argument("--format", choices=("json", "prometheus"), default="json")
+    stats.set_defaults(func=cmd_stats)
+
+    model = sub.add_parser("make-model", help="write a small MLP (.npz + OpenVINO IR), no download")
+    model.add_argument("path")
+    model.add_argument("--inputs", type=int, default=64)
+    model.add_argument("--hidden", type=int, default=256)
+    model.add_argument("--outputs", type=int, default=16)
+    model.set_defaults(func=cmd_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks (ipc: this runtime vs baselines)")
+    bench.add_argument("what", choices=("ipc",))
+    bench.add_argument("--requests", type=int, default=20000)
+    bench.add_argument("--idle-samples", type=int, default=10)
+    bench.add_argument("--client-cpu", type=int, default=0)
+    bench.add_argument("--server-cpu", type=int, default=1)
+    bench.add_argument("--variants", default="shminfer,pipe_pickle,tcp_pickle,sleep_poll")
+    bench.add_argument("--format", choices=("table", "json"), default="table")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (QueueError, BackendError, PayloadError, ValueError, OSError) as exc:
+        print(f"shminfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

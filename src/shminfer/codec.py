@@ -1,0 +1,159 @@
+"""ndarray dicts in a flat buffer: a small binary descriptor, then 64-byte aligned data.
+
+Layout of one payload::
+
+    u32 header_len | header | pad to 64 | array 0 data | pad | array 1 data | ...
+
+header = u16 count, then per array: u8 name_len, name, u8 dtype_len, dtype.str, u8 ndim,
+ndim x u64 dims, u64 offset (from the payload start), u64 nbytes.
+
+Descriptors are cached by layout on the writer and by header bytes on the reader, so a
+steady stream of same-shaped requests costs one memcpy per array and no parsing.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+ALIGN = 64
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class PayloadError(ValueError):
+    """A payload that does not fit or cannot be decoded; the message names the problem."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class Layout:
+    __slots__ = ("entries", "header", "total")
+
+    def __init__(self, entries, header, total):
+        self.entries = entries  # [(name, dtype, shape, offset, nbytes)]
+        self.header = header
+        self.total = total
+
+
+def _build_layout(spec) -> Layout:
+    parts = [struct.pack("<H", len(spec))]
+    sizes = []
+    for name, dtype, shape in spec:
+        raw_name = name.encode()
+        raw_dtype = dtype.str.encode()
+        if len(raw_name) > 255:
+            raise PayloadError(f"array name {name!r} is longer than 255 bytes")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        sizes.append(nbytes)
+        parts.append(bytes([len(raw_name)]) + raw_name + bytes([len(raw_dtype)]) + raw_dtype)
+        parts.append(bytes([len(shape)]) + b"".join(_U64.pack(d) for d in shape))
+        parts.append(b"\0" * 16)  # offset + nbytes, patched below
+    header_len = sum(len(p) for p in parts)
+    offset = _align(4 + header_len)
+    entries = []
+    patched = [parts[0]]
+    for i, (name, dtype, shape) in enumerate(spec):
+        patched += [parts[1 + 3 * i], parts[2 + 3 * i], _U64.pack(offset) + _U64.pack(sizes[i])]
+        entries.append((name, dtype, shape, offset, sizes[i]))
+        offset = _align(offset + sizes[i])
+    header = b"".join(patched)
+    return Layout(entries, _U32.pack(len(header)) + header, offset)
+
+
+class Encoder:
+    """Writes ndarray dicts into payload buffers."""
+
+    def __init__(self):
+        self._layouts: dict = {}
+
+    def layout(self, arrays: dict) -> Layout:
+        key = tuple((name, a.dtype.str, a.shape) for name, a in arrays.items())
+        layout = self._layouts.get(key)
+        if layout is None:
+            spec = [(name, a.dtype, a.shape) for name, a in arrays.items()]
+            if any(a.dtype.hasobject for a in arrays.values()):
+                raise PayloadError("object arrays cannot be shared: use numeric dtypes")
+            layout = self._layouts[key] = _build_layout(spec)
+        return layout
+
+    def encode_into(self, buf: memoryview, arrays: dict) -> int:
+        """Copy ``arrays`` into ``buf``; returns the payload length."""
+        arrays = {name: np.asarray(a) for name, a in arrays.items()}
+        layout = self.layout(arrays)
+        if layout.total > len(buf):
+            raise PayloadError(
+                f"payload of {layout.total} bytes does not fit a {len(buf)}-byte slot"
+            )
+        buf[: len(layout.header)] = layout.header
+        for (name, dtype, shape, offset, nbytes), array in zip(layout.entries, arrays.values()):
+            if nbytes:
+                dest = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
+                np.copyto(dest, array, casting="no")
+            del name
+        return layout.total
+
+
+class Decoder:
+    """Reads payloads as ndarray views into the buffer (no copy)."""
+
+    def __init__(self, max_layouts: int = 256):
+        self._layouts: dict = {}
+        self._max = max_layouts
+
+    def decode(self, buf: memoryview, length: int) -> dict:
+        if length < 6 or length > len(buf):
+            raise PayloadError(f"payload length {length} is outside the slot (0..{len(buf)})")
+        (header_len,) = _U32.unpack_from(buf, 0)
+        if header_len < 2 or 4 + header_len > length:
+            raise PayloadError(f"descriptor length {header_len} does not fit the payload")
+        header = bytes(buf[4 : 4 + header_len])
+        entries = self._layouts.get(header)
+        if entries is None:
+            entries = self._parse(header, length)
+            if len(self._layouts) >= self._max:
+                self._layouts.clear()
+            self._layouts[header] = entries
+        return {
+            name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
+            for name, dtype, shape, offset in entries
+        }
+
+    @staticmethod
+    def _parse(header: bytes, length: int):
+        try:
+            (count,) = struct.unpack_from("<H", header, 0)
+            pos = 2
+            entries = []
+            for _ in range(count):
+                n = header[pos]
+                name = header[pos + 1 : pos + 1 + n].decode()
+                pos += 1 + n
+                n = header[pos]
+                dtype = np.dtype(header[pos + 1 : pos + 1 + n].decode())
+                pos += 1 + n
+                ndim = header[pos]
+                pos += 1
+                shape = tuple(_U64.unpack_from(header, pos + 8 * i)[0] for i in range(ndim))
+                pos += 8 * ndim
+                offset, nbytes = struct.unpack_from("<QQ", header, pos)
+                pos += 16
+                if dtype.hasobject:
+                    raise PayloadError(f"array {name!r}: object dtype refused")
+                want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if nbytes != want or offset + nbytes > length or offset % ALIGN:
+                    raise PayloadError(
+                        f"array {name!r}: {nbytes} bytes at offset {offset} do not match "
+                        f"shape {shape} {dtype} inside a {length}-byte payload"
+                    )
+                entries.append((name, dtype, shape, offset))
+        except PayloadError:
+            raise
+        except (IndexError, struct.error, UnicodeDecodeError, TypeError, ValueError) as exc:
+            raise PayloadError(f"malformed payload descriptor: {exc}") from None
+        if pos != len(header):
+            raise PayloadError("malformed payload descriptor: trailing bytes")
+        return entries

@@ -1,0 +1,105 @@
+"""Per-batch metrics from the workers' rings: percentiles, Prometheus text, tables.
+
+deschedule_ms = wall - process CPU, per batch (the field reports' measure of time the
+inference thread was runnable but not running); the process/thread CPU ratio is ~1 when
+the worker is isolated (no other thread in the process competes with inference).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shminfer.queue import RING_FIELDS
+
+QUANTILES = (0.5, 0.99, 0.999)
+
+
+def summarize(records: np.ndarray) -> dict:
+    """Percentiles and ratios of ring records (rows of RING_FIELDS)."""
+    if records.size == 0:
+        return {"batches": 0}
+    col = {name: records[:, i] for i, name in enumerate(RING_FIELDS)}
+    wall_ms = col["wall_ns"] / 1e6
+    cpu_ms = col["process_cpu_ns"] / 1e6
+    thread_ms = col["thread_cpu_ns"] / 1e6
+    deschedule_ms = np.maximum(0.0, wall_ms - cpu_ms)
+    wait_ms = col["queue_wait_ns"] / 1e6
+    out = {
+        "batches": int(records.shape[0]),
+        "samples": int(col["batch"].sum()),
+        "mean_batch": float(col["batch"].mean()),
+    }
+    for label, values in (
+        ("wall_ms", wall_ms),
+        ("deschedule_ms", deschedule_ms),
+        ("queue_wait_ms", wait_ms),
+        ("cpu_ms", cpu_ms),
+    ):
+        for q in QUANTILES:
+            out[f"{label}_p{_qname(q)}"] = float(np.quantile(values, q))
+        out[f"{label}_max"] = float(values.max())
+    thread_total = thread_ms.sum()
+    out["cpu_ratio"] = float(cpu_ms.sum() / thread_total) if thread_total > 0 else None
+    return out
+
+
+def _qname(q: float) -> str:
+    return {0.5: "50", 0.99: "99", 0.999: "999"}[q]
+
+
+def collect(segments: dict) -> dict:
+    """{cpu: summary} for every worker segment (reads the whole ring)."""
+    return {cpu: summarize(segment.ring_read()[0]) for cpu, segment in segments.items()}
+
+
+def prometheus_text(name: str, per_cpu: dict, restarts: dict | None = None) -> str:
+    lines = []
+
+    def metric(metric_name, kind, help_text, samples):
+        lines.append(f"# HELP shminfer_{metric_name} {help_text}")
+        lines.append(f"# TYPE shminfer_{metric_name} {kind}")
+        for labels, value in samples:
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(f"shminfer_{metric_name}{{{label_text}}} {value}")
+
+    for field, help_text in (
+        ("wall_ms", "Inference wall time per batch (ring window), milliseconds."),
+        ("deschedule_ms", "Wall minus process CPU per batch (ring window), milliseconds."),
+        ("queue_wait_ms", "Time the oldest request of a batch waited, milliseconds."),
+    ):
+        samples = []
+        for cpu, summary in per_cpu.items():
+            if not summary.get("batches"):
+                continue
+            for q in QUANTILES:
+                samples.append(
+                    (
+                        {"server": name, "cpu": cpu, "quantile": str(q)},
+                        summary[f"{field}_p{_qname(q)}"],
+                    )
+                )
+        metric(field, "gauge", help_text, samples)
+    metric(
+        "batches",
+        "gauge",
+        "Batches in the ring window.",
+        [({"server": name, "cpu": cpu}, s.get("batches", 0)) for cpu, s in per_cpu.items()],
+    )
+    metric(
+        "cpu_ratio",
+        "gauge",
+        "Process CPU / inference-thread CPU (1 means isolated).",
+        [
+            ({"server": name, "cpu": cpu}, s["cpu_ratio"])
+            for cpu, s in per_cpu.items()
+            if s.get("cpu_ratio") is not None
+        ],
+    )
+    if restarts is not None:
+        metric(
+            "worker_restarts_total",
+            "counter",
+            "Worker restarts since the server started.",
+            [({"server": name, "cpu": cpu}, n) for cpu, n in restarts.items()],
+        )
+    return "\n".join(lines) + "\n"

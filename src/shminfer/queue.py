@@ -1,0 +1,371 @@
+"""The shared-memory queue: one segment per worker CPU, fixed slots, a state machine.
+
+Segment layout (all little-endian)::
+
+    page 0      header (magic, geometry, pids, doorbell futex, model description)
+    slot table  slot_count x 128-byte slot headers (state futex word first)
+    requests    slot_count x request_bytes  (64-byte aligned)
+    responses   slot_count x response_bytes
+    metrics     ring of per-batch records written by the worker
+
+Slot states: FREE -> WRITING -> READY -> PROCESSING -> DONE | ERROR -> FREE.
+
+Every transition has exactly one writer, so no compare-and-swap is needed: the client that
+leases a slot moves it FREE->WRITING->READY and DONE/ERROR->FREE; the worker moves it
+READY->PROCESSING->DONE/ERROR; the supervisor only touches slots whose worker is dead or
+whose client is dead. Slots are leased to a client process under flock(2) once, at
+attach time, not per request. The store order this relies on (payload before state) is
+what x86-64 guarantees; the futex calls on the slow path are full barriers.
+
+The segment is a plain file in /dev/shm opened with O_EXCL and mode 0600/0660: its life
+is owned by the supervisor (created at start, unlinked at stop, stale ones removed at the
+next start) and never by multiprocessing's resource tracker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import struct
+import time
+
+import numpy as np
+
+from shminfer import _sys
+
+MAGIC = b"SHMINF01"
+SHM_DIR = "/dev/shm"
+PAGE = 4096
+SLOT_HEADER = 128
+
+FREE, WRITING, READY, PROCESSING, DONE, ERROR = range(6)
+STATE_NAMES = ("FREE", "WRITING", "READY", "PROCESSING", "DONE", "ERROR")
+
+WORKER_STARTING, WORKER_READY, WORKER_DEAD, WORKER_STOPPED = range(4)
+
+# header fields: name -> (offset, struct format)
+_H = {
+    "magic": (0, "8s"),
+    "slot_count": (8, "<I"),
+    "request_bytes": (16, "<Q"),
+    "response_bytes": (24, "<Q"),
+    "supervisor_pid": (32, "<I"),
+    "worker_pid": (36, "<I"),
+    "worker_generation": (40, "<I"),
+    "worker_state": (44, "<I"),
+    "doorbell": (48, "<I"),  # futex word the worker sleeps on
+    "worker_sleeping": (52, "<I"),
+    "numa_node": (56, "<i"),
+    "cpu": (60, "<i"),
+    "ring_records": (64, "<Q"),
+    "ring_head": (72, "<Q"),  # records written so far (single writer: the worker)
+    "created_ns": (80, "<Q"),
+    "model_len": (88, "<I"),
+}
+MODEL_OFFSET = 1024  # JSON description of the model's inputs/outputs, up to PAGE
+
+# slot header fields
+_S = {
+    "state": (0, "<I"),
+    "waiter": (4, "<I"),
+    "seq": (8, "<Q"),
+    "owner_pid": (16, "<I"),
+    "request_len": (20, "<I"),
+    "owner_start": (24, "<Q"),
+    "response_len": (32, "<I"),
+    "batch_size": (36, "<I"),
+    "enqueue_ns": (40, "<Q"),
+    "start_ns": (48, "<Q"),
+    "done_ns": (56, "<Q"),
+    "generation": (64, "<I"),
+}
+
+RING_FIELDS = ("done_ns", "wall_ns", "process_cpu_ns", "thread_cpu_ns", "queue_wait_ns", "batch")
+_RING = struct.Struct("<6Q")
+
+
+class QueueError(RuntimeError):
+    pass
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def _geometry(slot_count, request_bytes, response_bytes, ring_records):
+    table = PAGE
+    requests = table + slot_count * SLOT_HEADER
+    requests = (requests + PAGE - 1) // PAGE * PAGE
+    responses = requests + slot_count * request_bytes
+    ring = responses + slot_count * response_bytes
+    total = ring + ring_records * _RING.size
+    return table, requests, responses, ring, (total + PAGE - 1) // PAGE * PAGE
+
+
+class Segment:
+    """One mapped queue segment (creator or attacher)."""
+
+    def __init__(self, path, fd, mm, owner):
+        self.path = path
+        self.fd = fd
+        self.mm = mm
+        self.owner = owner
+        self.buf = memoryview(mm)
+        self.slot_count = self.get("slot_count")
+        self.request_bytes = self.get("request_bytes")
+        self.response_bytes = self.get("response_bytes")
+        self.ring_records = self.get("ring_records")
+        (
+            self.table_off,
+            self.requests_off,
+            self.responses_off,
+            self.ring_off,
+            self.size,
+        ) = _geometry(self.slot_count, self.request_bytes, self.response_bytes, self.ring_records)
+        # Vectorised views of every slot's state and owner: a scan is one numpy compare.
+        self.states = np.ndarray(
+            (self.slot_count,),
+            dtype=np.uint32,
+            buffer=mm,
+            offset=self.table_off,
+            strides=(SLOT_HEADER,),
+        )
+        self.owners = np.ndarray(
+            (self.slot_count,),
+            dtype=np.uint32,
+            buffer=mm,
+            offset=self.table_off + 16,
+            strides=(SLOT_HEADER,),
+        )
+        self.waiters = np.ndarray(
+            (self.slot_count,),
+            dtype=np.uint32,
+            buffer=mm,
+            offset=self.table_off + 4,
+            strides=(SLOT_HEADER,),
+        )
+        self.doorbell_addr = _sys.address_of(mm, _H["doorbell"][0])
+        self._state_addr0 = _sys.address_of(mm, self.table_off)
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        name,
+        *,
+        slot_count=64,
+        request_bytes=65536,
+        response_bytes=65536,
+        ring_records=8192,
+        numa_node=-1,
+        cpu=-1,
+        mode=0o600,
+        gid=None,
+    ):
+        if slot_count < 1 or slot_count > 4096:
+            raise QueueError(f"slot_count must be 1..4096, got {slot_count}")
+        request_bytes = (int(request_bytes) + 63) // 64 * 64
+        response_bytes = (int(response_bytes) + 63) // 64 * 64
+        geometry = _geometry(slot_count, request_bytes, response_bytes, ring_records)
+        path = segment_path(name)
+        old_umask = os.umask(0o077 if mode == 0o600 else 0o007)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            raise QueueError(f"{path} exists: another server owns it, or a stale one") from None
+        finally:
+            os.umask(old_umask)
+        try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, geometry[-1])
+            mm = mmap.mmap(fd, geometry[-1], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if numa_node >= 0:
+                # Bind before the first touch, then touch every page from here: the pages
+                # land on the worker's node whoever touches them later.
+                _sys.mbind(_sys.address_of(mm), geometry[-1], numa_node)
+            for offset in range(0, geometry[-1], PAGE):
+                mm[offset] = 0
+            header = {
+                "magic": MAGIC,
+                "slot_count": slot_count,
+                "request_bytes": request_bytes,
+                "response_bytes": response_bytes,
+                "supervisor_pid": os.getpid(),
+                "numa_node": numa_node,
+                "cpu": cpu,
+                "ring_records": ring_records,
+                "created_ns": time.time_ns(),
+            }
+            for key, value in header.items():
+                offset, fmt = _H[key]
+                struct.pack_into(fmt, mm, offset, value)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(path, fd, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name):
+        path = segment_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise QueueError(f"{path} does not exist: is `shminfer serve` running?") from None
+        except PermissionError:
+            raise QueueError(
+                f"{path}: permission denied (the server created it 0600/0660 for its user/group)"
+            ) from None
+        size = os.fstat(fd).st_size
+        if size < PAGE:
+            os.close(fd)
+            raise QueueError(f"{path} is not a shminfer segment (too small)")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if mm[:8] != MAGIC:
+            mm.close()
+            os.close(fd)
+            raise QueueError(f"{path} is not a shminfer segment (bad magic)")
+        return cls(path, fd, mm, owner=False)
+
+    def close(self):
+        for view in ("states", "owners", "waiters"):
+            setattr(self, view, None)
+        self.buf.release()
+        with contextlib.suppress(BufferError):  # a caller still holds a view
+            self.mm.close()
+        os.close(self.fd)
+
+    def unlink(self):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # ------------------------------------------------------------ header / slot fields
+
+    def get(self, key):
+        offset, fmt = _H[key]
+        return struct.unpack_from(fmt, self.mm, offset)[0]
+
+    def set(self, key, value):
+        offset, fmt = _H[key]
+        struct.pack_into(fmt, self.mm, offset, value)
+
+    def slot_get(self, index, key):
+        offset, fmt = _S[key]
+        return struct.unpack_from(fmt, self.mm, self.table_off + index * SLOT_HEADER + offset)[0]
+
+    def slot_set(self, index, key, value):
+        offset, fmt = _S[key]
+        struct.pack_into(fmt, self.mm, self.table_off + index * SLOT_HEADER + offset, value)
+
+    def state_addr(self, index):
+        return self._state_addr0 + index * SLOT_HEADER
+
+    def request_view(self, index) -> memoryview:
+        start = self.requests_off + index * self.request_bytes
+        return self.buf[start : start + self.request_bytes]
+
+    def response_view(self, index) -> memoryview:
+        start = self.responses_off + index * self.response_bytes
+        return self.buf[start : start + self.response_bytes]
+
+    def model_info(self):
+        length = self.get("model_len")
+        if not length:
+            return None
+        return json.loads(bytes(self.mm[MODEL_OFFSET : MODEL_OFFSET + length]))
+
+    def set_model_info(self, info):
+        raw = json.dumps(info).encode()
+        if len(raw) > PAGE - MODEL_OFFSET:
+            raw = json.dumps({k: info[k] for k in ("backend",) if k in info}).encode()
+        self.mm[MODEL_OFFSET : MODEL_OFFSET + len(raw)] = raw
+        self.set("model_len", len(raw))
+
+    # ------------------------------------------------------------ waking
+
+    def ring_doorbell(self):
+        """Tell the worker a slot is READY; a syscall only when it is asleep."""
+        offset = _H["doorbell"][0]
+        value = (struct.unpack_from("<I", self.mm, offset)[0] + 1) & 0xFFFFFFFF
+        struct.pack_into("<I", self.mm, offset, value)
+        if struct.unpack_from("<I", self.mm, _H["worker_sleeping"][0])[0]:
+            _sys.futex_wake(self.doorbell_addr)
+
+    def wake_slot(self, index):
+        if self.waiters[index]:
+            _sys.futex_wake(self.state_addr(index))
+
+    # ------------------------------------------------------------ leases
+
+    def lease_slots(self, count, pid, start_time):
+        """Lease up to ``count`` free slots to a client process (under flock)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            leased = []
+            for index in range(self.slot_count):
+                if len(leased) == count:
+                    break
+                owner = int(self.owners[index])
+                if owner and _sys.alive(owner, self.slot_get(index, "owner_start")):
+                    continue
+                if owner and int(self.states[index]) in (READY, PROCESSING):
+                    continue  # a dead client's request still in flight: the worker owns it
+                self.slot_set(index, "owner_start", start_time)
+                self.slot_set(index, "owner_pid", pid)
+                self.states[index] = FREE
+                leased.append(index)
+            return leased
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def release_slots(self, indices, pid):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            for index in indices:
+                if int(self.owners[index]) == pid:
+                    if int(self.states[index]) not in (READY, PROCESSING):
+                        self.states[index] = FREE
+                    self.slot_set(index, "owner_pid", 0)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------ metrics ring
+
+    def ring_append(self, record):
+        head = self.get("ring_head")
+        _RING.pack_into(self.mm, self.ring_off + (head % self.ring_records) * _RING.size, *record)
+        self.set("ring_head", head + 1)
+
+    def ring_read(self, since=0):
+        """Records written after ``since`` (a ring_head value), oldest first, and the head."""
+        head = self.get("ring_head")
+        start = max(since, head - self.ring_records)
+        records = [
+            _RING.unpack_from(self.mm, self.ring_off + (i % self.ring_records) * _RING.size)
+            for i in range(start, head)
+        ]
+        return np.array(records, dtype=np.float64).reshape(-1, len(RING_FIELDS)), head
+
+
+def fail_inflight(segment, message, states=(PROCESSING,)):
+    """Turn slots a dead worker had claimed into ERROR responses and wake their clients.
+
+    READY slots stay: the restarted worker serves them.
+    """
+    raw = message.encode()[: segment.response_bytes]
+    failed = 0
+    for found in np.flatnonzero(np.isin(segment.states, states)):
+        index = int(found)
+        response = segment.response_view(index)
+        response[: len(raw)] = raw
+        segment.slot_set(index, "response_len", len(raw))
+        segment.states[index] = ERROR
+        _sys.futex_wake(segment.state_addr(index))
+        failed += 1
+    return failed

@@ -1,0 +1,310 @@
+"""The inference worker: one process per CPU, pinned, one inference thread.
+
+Started by the supervisor with the "spawn" start method (a fresh interpreter: no inherited
+threads, locks or GIL state), it pins itself, loads the model with one thread, then loops:
+claim READY slots (batching), run the backend, write responses, wake the clients. Idle, it
+spins for ``spin_us`` and then sleeps on the segment's doorbell futex — never a fixed sleep
+poll, and never spinning while a model runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from shminfer import _sys
+from shminfer.backends import BackendError, make_backend
+from shminfer.codec import Decoder, Encoder, PayloadError
+from shminfer.queue import DONE, ERROR, PROCESSING, READY, WORKER_READY, Segment
+
+# A lost wake-up cannot hang the worker: the doorbell futex wait is bounded by this.
+_SAFETY_WAIT_S = 0.05
+
+
+def log_event(event: str, **fields) -> None:
+    """One JSON line on stderr (journald keeps it); the structured slow_infer events."""
+    sys.stderr.write(json.dumps({"event": event, "ts": round(time.time(), 6), **fields}) + "\n")
+    sys.stderr.flush()
+
+
+class SchedPolicy:
+    """SCHED_FIFO while inferring ("infer"), always ("always") or never ("off")."""
+
+    def __init__(self, mode: str, priority: int):
+        self.mode = mode
+        self.priority = priority
+        self.enabled = False
+        if mode == "off":
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            self.enabled = True
+        except PermissionError:
+            log_event(
+                "sched_fifo_unavailable",
+                reason="needs CAP_SYS_NICE or RLIMIT_RTPRIO >= %d; running SCHED_OTHER" % priority,
+            )
+            return
+        if mode == "infer":
+            self.idle()
+
+    def busy(self):
+        if self.enabled and self.mode == "infer":
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.priority))
+
+    def idle(self):
+        if self.enabled and self.mode == "infer":
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _die_with_parent():
+    """PR_SET_PDEATHSIG: the kernel kills this worker if the supervisor dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(
+    segment_name: str,
+    cpu: int,
+    backend_name: str,
+    model: str | None,
+    *,
+    threads: int = 1,
+    min_batch: int = 1,
+    max_batch: int = 16,
+    max_wait_us: int = 0,
+    spin_us: int = 50,
+    sched: str = "infer",
+    rt_priority: int = 10,
+    slow_cpu_ms: float = 100.0,
+    slow_wall_ms: float = 200.0,
+    wait_mode: str = "futex",
+) -> None:
+    _die_with_parent()
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+    segment = Segment.attach(segment_name)
+    try:
+        backend = make_backend(backend_name)
+        backend.load(model, threads)
+    except BackendError as exc:
+        log_event("worker_load_failed", cpu=cpu, error=str(exc))
+        sys.exit(3)
+    info = {"backend": backend_name, "model": model, **backend.describe()}
+    segment.set_model_info(info)
+    segment.set("worker_pid", os.getpid())
+    segment.set("worker_state", WORKER_READY)
+    policy = SchedPolicy(sched, rt_priority)
+    log_event(
+        "worker_ready",
+        cpu=cpu,
+        pid=os.getpid(),
+        backend=backend_name,
+        sched_fifo=policy.enabled,
+        threads=threading_count(),
+    )
+    Worker(
+        segment,
+        backend,
+        policy,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        max_wait_us=max_wait_us,
+        spin_us=spin_us,
+        slow_cpu_ms=slow_cpu_ms,
+        slow_wall_ms=slow_wall_ms,
+        wait_mode=wait_mode,
+        cpu=cpu,
+    ).run()
+
+
+def threading_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+class Worker:
+    def __init__(
+        self,
+        segment,
+        backend,
+        policy,
+        *,
+        min_batch,
+        max_batch,
+        max_wait_us,
+        spin_us,
+        slow_cpu_ms,
+        slow_wall_ms,
+        wait_mode,
+        cpu,
+    ):
+        self.seg = segment
+        self.backend = backend
+        self.policy = policy
+        self.min_batch = max(1, min_batch)
+        self.max_batch = max(self.min_batch, max_batch)
+        self.max_wait_ns = max_wait_us * 1000
+        self.spin_ns = spin_us * 1000
+        self.slow_cpu_ns = slow_cpu_ms * 1e6
+        self.slow_wall_ns = slow_wall_ms * 1e6
+        self.wait_mode = wait_mode
+        self.cpu = cpu
+        self.decoder = Decoder()
+        self.encoder = Encoder()
+        self.requests = [segment.request_view(i) for i in range(segment.slot_count)]
+        self.responses = [segment.response_view(i) for i in range(segment.slot_count)]
+
+    # ------------------------------------------------------------ waiting
+
+    def _wait_for_work(self):
+        seg = self.seg
+        states = seg.states
+        if self.wait_mode == "sleep":
+            # The seed's design, kept only as the benchmark's baseline.
+            while not (states == READY).any():
+                time.sleep(0.0005)
+            return
+        deadline = time.perf_counter_ns() + self.spin_ns
+        while time.perf_counter_ns() < deadline:
+            if (states == READY).any():
+                return
+        doorbell = seg.get("doorbell")
+        seg.set("worker_sleeping", 1)
+        if not (states == READY).any():
+            _sys.futex_wait(seg.doorbell_addr, doorbell, _SAFETY_WAIT_S)
+        seg.set("worker_sleeping", 0)
+
+    def _claim(self):
+        seg = self.seg
+        ready = np.flatnonzero(seg.states == READY)
+        if ready.size == 0:
+            return []
+        if ready.size < self.min_batch and self.max_wait_ns:
+            oldest = min(seg.slot_get(int(i), "enqueue_ns") for i in ready)
+            until = oldest + self.max_wait_ns
+            while ready.size < self.min_batch and time.monotonic_ns() < until:
+                ready = np.flatnonzero(seg.states == READY)
+        # Oldest first, so a busy queue cannot starve a request.
+        order = sorted((seg.slot_get(int(i), "seq"), int(i)) for i in ready)
+        claimed = [i for _, i in order[: self.max_batch]]
+        for index in claimed:
+            seg.states[index] = PROCESSING
+        return claimed
+
+    # ------------------------------------------------------------ serving
+
+    def run(self):
+        while True:
+            claimed = self._claim()
+            if not claimed:
+                self._wait_for_work()
+                continue
+            self._serve(claimed)
+
+    def _fail(self, index, message):
+        raw = message.encode()[: self.seg.response_bytes]
+        self.responses[index][: len(raw)] = raw
+        self.seg.slot_set(index, "response_len", len(raw))
+        self.seg.states[index] = ERROR
+        self.seg.wake_slot(index)
+
+    def _serve(self, claimed):
+        seg = self.seg
+        start_ns = time.monotonic_ns()
+        batch = []  # (slot, inputs, rows)
+        for index in claimed:
+            seg.slot_set(index, "start_ns", start_ns)
+            try:
+                inputs = self.decoder.decode(
+                    self.requests[index], seg.slot_get(index, "request_len")
+                )
+                rows = {a.shape[0] if a.ndim else 1 for a in inputs.values()}
+                if len(rows) != 1:
+                    raise PayloadError("inputs disagree on the batch size (first dimension)")
+                batch.append((index, inputs, rows.pop()))
+            except PayloadError as exc:
+                self._fail(index, f"bad request: {exc}")
+        # Requests with the same signature are merged into one model call.
+        groups = {}
+        for entry in batch:
+            signature = tuple((k, v.dtype.str, v.shape[1:]) for k, v in entry[1].items())
+            groups.setdefault(signature, []).append(entry)
+        for entries in groups.values():
+            self._run_group(entries, start_ns)
+
+    def _run_group(self, entries, start_ns):
+        seg = self.seg
+        if len(entries) == 1:
+            merged = entries[0][1]
+        else:
+            merged = {
+                name: np.concatenate([e[1][name] for e in entries], axis=0)
+                for name in entries[0][1]
+            }
+        total_rows = sum(e[2] for e in entries)
+        self.policy.busy()
+        wall0 = time.perf_counter_ns()
+        cpu0 = time.process_time_ns()
+        thread0 = time.thread_time_ns()
+        try:
+            outputs = self.backend.infer(merged)
+            error = None
+        except (BackendError, ValueError, TypeError, KeyError) as exc:
+            outputs, error = None, str(exc)
+        wall = time.perf_counter_ns() - wall0
+        cpu = time.process_time_ns() - cpu0
+        thread = time.thread_time_ns() - thread0
+        self.policy.idle()
+        if error is not None:
+            for index, _, _ in entries:
+                self._fail(index, f"inference failed: {error}")
+            return
+        row = 0
+        done_ns = time.monotonic_ns()
+        oldest = start_ns
+        for index, _, rows in entries:
+            part = {name: value[row : row + rows] for name, value in outputs.items()}
+            row += rows
+            try:
+                length = self.encoder.encode_into(self.responses[index], part)
+            except (ValueError, TypeError) as exc:
+                self._fail(
+                    index,
+                    f"response does not fit: {exc}; send smaller batches or start the server "
+                    "with a larger --response-bytes",
+                )
+                continue
+            oldest = min(oldest, seg.slot_get(index, "enqueue_ns"))
+            seg.slot_set(index, "response_len", length)
+            seg.slot_set(index, "batch_size", total_rows)
+            seg.slot_set(index, "done_ns", done_ns)
+            seg.states[index] = DONE
+            seg.wake_slot(index)
+        queue_wait = max(0, start_ns - oldest)
+        seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
+        if cpu > self.slow_cpu_ns or wall > self.slow_wall_ns:
+            log_event(
+                "slow_infer",
+                cpu=self.cpu,
+                slots=len(entries),
+                total_batch=total_rows,
+                engine_cpu_ms=round(cpu / 1e6, 3),
+                engine_thread_cpu_ms=round(thread / 1e6, 3),
+                wall_ms=round(wall / 1e6, 3),
+                deschedule_ms=round(max(0, wall - cpu) / 1e6, 3),
+                queue_wait_ms=round(queue_wait / 1e6, 3),
+                sched_fifo=self.policy.enabled,
+                threads=threading_count(),
+            )
