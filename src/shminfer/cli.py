@@ -81,9 +81,21 @@ def _inputs_for(model: dict, batch: int, rng) -> dict:
     return inputs
 
 
+def _connect(args) -> Client:
+    """A client, waiting up to --ready-timeout for the server to come up."""
+    deadline = time.monotonic() + args.ready_timeout
+    while True:
+        try:
+            return Client(args.name, timeout=args.timeout)
+        except QueueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def cmd_smoke(args) -> int:
     rng = np.random.default_rng(0)
-    with Client(args.name, timeout=args.timeout) as client:
+    with _connect(args) as client:
         client.wait_ready(args.ready_timeout)
         model = client.model
         heads = [lane.seg.get("ring_head") for lane in client.lanes]

@@ -26,8 +26,9 @@ except ImportError:  # pragma: no cover - exercised only where Ray is installed
 
 class InferenceActorImpl:
     def __init__(self, name, cpus, *, numa_node=-1, backend="openvino", model=None, **options):
-        self.server = Server(name, cpus, numa_node=numa_node, backend=backend, model=model,
-                             worker_options=options)
+        self.server = Server(
+            name, cpus, numa_node=numa_node, backend=backend, model=model, worker_options=options
+        )
         self.server.start()
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()

@@ -356,3 +356,112 @@ def test_soak_with_random_worker_kills_every_request_answered_exactly_once():
         assert all(len(v) == 1 for v in seen.values()), "a request was answered twice"
         assert "WRONG" not in outcomes, "a response belonged to another request"
         assert outcomes.count("ok") > 300
+
+
+def _cli(*args, **kwargs):
+    return [sys.executable, "-m", "shminfer.cli", *args]
+
+
+def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
+    import urllib.request
+
+    name = f"t{uuid.uuid4().hex[:10]}"
+    assert subprocess.run(_cli("make-model", str(tmp_path / "mlp")), check=False).returncode == 0
+    serve = subprocess.Popen(
+        _cli(
+            "serve",
+            "--name",
+            name,
+            "--cpus",
+            str(CPUS[-1]),
+            "--numa-node",
+            "-1",
+            "--backend",
+            "numpy",
+            "--model",
+            str(tmp_path / "mlp.npz"),
+            "--sched",
+            "off",
+            "--metrics-port",
+            "0",
+        ),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        smoke = subprocess.run(
+            _cli(
+                "smoke",
+                "--name",
+                name,
+                "-n",
+                "300",
+                "--format",
+                "json",
+                "--max-p99-ms",
+                "1000",
+                "--max-deschedule-p999-ms",
+                "1000",
+            ),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        assert smoke.returncode == 0, smoke.stderr
+        result = json.loads(smoke.stdout)
+        assert result["passed"] and result["errors"] == 0 and result["batches"] >= 300
+        assert 0.8 < result["cpu_ratio"] < 1.25
+        # A gate that cannot pass fails the smoke test with a reason.
+        strict = subprocess.run(
+            _cli("smoke", "--name", name, "-n", "50", "--max-p99-ms", "0.000001"),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        assert strict.returncode == 1 and "latency p99" in strict.stdout
+        stats = subprocess.run(
+            _cli("stats", "--name", name, "--format", "prometheus"),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert 'shminfer_deschedule_ms{server="%s"' % name in stats.stdout
+        port = None
+        deadline = time.monotonic() + 30
+        while port is None and time.monotonic() < deadline:
+            line = serve.stderr.readline()
+            if '"metrics_listening"' in line:
+                port = int(json.loads(line)["address"].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert b"shminfer_worker_restarts_total" in resp.read()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+    assert not os.path.exists(registry_path(name))
+    assert not os.path.exists(f"/dev/shm/{segment_name(name, CPUS[-1])}")
+
+
+def test_cli_refuses_bad_input_with_one_line(tmp_path):
+    bad = subprocess.run(
+        _cli("serve", "--name", "x/../y", "--cpus", "0", "--numa-node", "-1", "--backend", "echo"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "must be 1-64 letters" in bad.stderr
+    bad = subprocess.run(
+        _cli("serve", "--name", "ok", "--cpus", "9999", "--numa-node", "-1", "--backend", "echo"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "outside this process's affinity" in bad.stderr
+    bad = subprocess.run(
+        _cli("smoke", "--name", "nobody-runs-this", "--ready-timeout", "0.2"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "no shminfer server named" in bad.stderr
