@@ -34,6 +34,7 @@ deps:
 	lab/install-deps.sh
 
 demo: setup deps
+	$(BIN)/rtfleet lab image
 	$(BIN)/rtfleet lab up $(DEMO_HOSTS)
 	$(BIN)/ansible-playbook site.yml
 	@echo "Lab hosts stay up for exploring: '$(BIN)/rtfleet lab status', '$(BIN)/rtfleet lab ssh HOST'; 'make demo-down' removes them."

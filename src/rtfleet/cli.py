@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="turn the topology and a policy into one CPU partition")
     plan.add_argument("--root", default="/", help="directory holding sys/ and proc/ (default /)")
-    plan.add_argument("--policy", help="YAML policy file (keys: inventory/sample/group_vars/inference_nodes.yml)")
+    plan.add_argument(
+        "--policy", help="YAML policy file (keys: inventory/sample/group_vars/inference_nodes.yml)"
+    )
     plan.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     plan.set_defaults(func=cmd_plan)
 
