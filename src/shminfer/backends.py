@@ -50,7 +50,15 @@ class EchoBackend(Backend):
             x = inputs["x"]
         except KeyError:
             raise BackendError(f"input 'x' missing (got {sorted(inputs)})") from None
-        return {"y": np.concatenate([x, x], axis=-1)}
+        # Reuse the output buffer, as an inference engine reuses its output tensors.
+        shape = (*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,)
+        out = getattr(self, "_out", None)
+        if out is None or out.shape != shape or out.dtype != x.dtype:
+            out = self._out = np.empty(shape, x.dtype)
+        width = x.shape[-1] if x.ndim else 1
+        out[..., :width] = x
+        out[..., width:] = x
+        return {"y": out}
 
 
 class BurnBackend(EchoBackend):

@@ -55,10 +55,10 @@ class _Lane:
         self.decoder = Decoder()
 
     def reclaim(self):
-        states = self.seg.states
+        states = self.seg.state_words
         keep = []
         for index in self.abandoned:
-            if int(states[index]) in (DONE, ERROR, FREE):
+            if states[index] in (DONE, ERROR, FREE):
                 states[index] = FREE
                 self.free.append(index)
             else:
@@ -139,47 +139,49 @@ class Client:
             raise QueueError("no free slot: every leased slot has a request in flight")
         lane = self.lanes[lane_index]
         seg = lane.seg
+        words = seg.state_words
         slot = lane.free.pop()
-        seg.states[slot] = WRITING
+        words[slot] = WRITING
         try:
-            length = lane.encoder.encode_into(lane.requests[slot], inputs)
+            length = lane.encoder.encode_into(lane.requests[slot], inputs, slot=slot)
         except PayloadError as exc:
-            seg.states[slot] = FREE
+            words[slot] = FREE
             lane.free.append(slot)
             raise PayloadError(
                 f"request refused: {exc}; send smaller batches or start the server with a "
                 "larger --request-bytes"
             ) from None
         except BaseException:
-            seg.states[slot] = FREE
+            words[slot] = FREE
             lane.free.append(slot)
             raise
         seq = next(self._seq)
         seg.slot_set(slot, "request_len", length)
         seg.slot_set(slot, "seq", seq)
         seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
-        seg.states[slot] = READY
+        words[slot] = READY
         seg.ring_doorbell()
         return Pending(lane_index, slot, seq, time.monotonic() + timeout)
 
     def _wait(self, lane, slot, deadline):
-        states = lane.seg.states
+        states = lane.seg.state_words
         if self.wait_mode == "sleep":
-            while int(states[slot]) not in (DONE, ERROR):
+            while states[slot] not in (DONE, ERROR):
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.0005)
-            return int(states[slot])
-        spin_until = time.perf_counter_ns() + self.spin_ns
-        while time.perf_counter_ns() < spin_until:
-            state = int(states[slot])
+            return states[slot]
+        clock = time.perf_counter_ns
+        spin_until = clock() + self.spin_ns
+        while clock() < spin_until:
+            state = states[slot]
             if state in (DONE, ERROR):
                 return state
         addr = lane.seg.state_addr(slot)
         waiters = lane.seg.waiters
         while True:
             waiters[slot] = 1
-            state = int(states[slot])
+            state = states[slot]
             if state in (DONE, ERROR):
                 waiters[slot] = 0
                 return state
@@ -199,18 +201,18 @@ class Client:
             lane.abandoned.append(slot)
             raise TimeoutError(
                 f"request {pending.seq} to {seg.path} got no answer in time "
-                f"(slot state {int(seg.states[slot])}); the slot is reclaimed when it ends"
+                f"(slot state {seg.state_words[slot]}); the slot is reclaimed when it ends"
             )
         length = seg.slot_get(slot, "response_len")
         if state == ERROR:
             message = bytes(lane.responses[slot][:length]).decode("utf-8", "replace")
-            seg.states[slot] = FREE
+            seg.state_words[slot] = FREE
             lane.free.append(slot)
             raise InferenceError(message)
-        outputs = lane.decoder.decode(lane.responses[slot], length)
+        outputs = lane.decoder.decode(lane.responses[slot], length, slot=slot)
         if copy:
             outputs = {name: np.array(value) for name, value in outputs.items()}
-        seg.states[slot] = FREE
+        seg.state_words[slot] = FREE
         lane.free.append(slot)
         return outputs
 

@@ -65,35 +65,52 @@ def _build_layout(spec) -> Layout:
 
 
 class Encoder:
-    """Writes ndarray dicts into payload buffers."""
+    """Writes ndarray dicts into payload buffers.
 
-    def __init__(self):
+    Layouts are cached by (name, dtype, shape); with ``slot`` (a key naming a buffer that
+    lives as long as this encoder) the destination views are cached too, so a steady
+    stream of same-shaped payloads costs one header write and one copy per array.
+    """
+
+    def __init__(self, max_layouts: int = 256):
         self._layouts: dict = {}
+        self._dests: dict = {}
+        self._max = max_layouts
 
     def layout(self, arrays: dict) -> Layout:
-        key = tuple((name, a.dtype.str, a.shape) for name, a in arrays.items())
+        key = tuple((name, a.dtype, a.shape) for name, a in arrays.items())
         layout = self._layouts.get(key)
         if layout is None:
             spec = [(name, a.dtype, a.shape) for name, a in arrays.items()]
             if any(a.dtype.hasobject for a in arrays.values()):
                 raise PayloadError("object arrays cannot be shared: use numeric dtypes")
+            if len(self._layouts) >= self._max:
+                self._layouts.clear()
+                self._dests.clear()
             layout = self._layouts[key] = _build_layout(spec)
         return layout
 
-    def encode_into(self, buf: memoryview, arrays: dict) -> int:
+    def encode_into(self, buf: memoryview, arrays: dict, slot=None) -> int:
         """Copy ``arrays`` into ``buf``; returns the payload length."""
-        arrays = {name: np.asarray(a) for name, a in arrays.items()}
+        if not all(type(a) is np.ndarray for a in arrays.values()):
+            arrays = {name: np.asarray(a) for name, a in arrays.items()}
         layout = self.layout(arrays)
         if layout.total > len(buf):
             raise PayloadError(
                 f"payload of {layout.total} bytes does not fit a {len(buf)}-byte slot"
             )
+        dests = self._dests.get((slot, layout)) if slot is not None else None
+        if dests is None:
+            dests = [
+                np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset) if nbytes else None
+                for _name, dtype, shape, offset, nbytes in layout.entries
+            ]
+            if slot is not None:
+                self._dests[(slot, layout)] = dests
         buf[: len(layout.header)] = layout.header
-        for (name, dtype, shape, offset, nbytes), array in zip(layout.entries, arrays.values()):
-            if nbytes:
-                dest = np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
+        for dest, array in zip(dests, arrays.values()):
+            if dest is not None:
                 np.copyto(dest, array, casting="no")
-            del name
         return layout.total
 
 
@@ -102,25 +119,40 @@ class Decoder:
 
     def __init__(self, max_layouts: int = 256):
         self._layouts: dict = {}
+        self._views: dict = {}
         self._max = max_layouts
 
-    def decode(self, buf: memoryview, length: int) -> dict:
+    def decode(self, buf: memoryview, length: int, slot=None) -> dict:
+        """ndarray views of the payload in ``buf``.
+
+        With ``slot`` (a key naming a buffer that lives as long as this decoder), the views
+        are cached: the next payload of the same layout in that slot reuses them.
+        """
         if length < 6 or length > len(buf):
             raise PayloadError(f"payload length {length} is outside the slot (0..{len(buf)})")
         (header_len,) = _U32.unpack_from(buf, 0)
         if header_len < 2 or 4 + header_len > length:
             raise PayloadError(f"descriptor length {header_len} does not fit the payload")
         header = bytes(buf[4 : 4 + header_len])
+        if slot is not None:
+            views = self._views.get((slot, header))
+            if views is not None and length >= views[1]:
+                return views[0]
         entries = self._layouts.get(header)
         if entries is None:
             entries = self._parse(header, length)
             if len(self._layouts) >= self._max:
                 self._layouts.clear()
             self._layouts[header] = entries
-        return {
+        views = {
             name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
             for name, dtype, shape, offset in entries
         }
+        if slot is not None:
+            if len(self._views) >= 4 * self._max:
+                self._views.clear()
+            self._views[(slot, header)] = (views, length)
+        return views
 
     @staticmethod
     def _parse(header: bytes, length: int):

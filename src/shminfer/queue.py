@@ -3,7 +3,8 @@
 Segment layout (all little-endian)::
 
     page 0      header (magic, geometry, pids, doorbell futex, model description)
-    slot table  slot_count x 128-byte slot headers (state futex word first)
+    states      slot_count x u32, contiguous: each a futex word; a scan is one bytes.find
+    slot table  slot_count x 128-byte slot headers
     requests    slot_count x request_bytes  (64-byte aligned)
     responses   slot_count x response_bytes
     metrics     ring of per-batch records written by the worker
@@ -67,9 +68,8 @@ _H = {
 }
 MODEL_OFFSET = 1024  # JSON description of the model's inputs/outputs, up to PAGE
 
-# slot header fields
+# slot header fields (the state word lives in the contiguous states array)
 _S = {
-    "state": (0, "<I"),
     "waiter": (4, "<I"),
     "seq": (8, "<Q"),
     "owner_pid": (16, "<I"),
@@ -83,6 +83,8 @@ _S = {
     "generation": (64, "<I"),
 }
 
+_READY_WORD = struct.pack("<I", READY)
+
 RING_FIELDS = ("done_ns", "wall_ns", "process_cpu_ns", "thread_cpu_ns", "queue_wait_ns", "batch")
 _RING = struct.Struct("<6Q")
 
@@ -95,14 +97,19 @@ def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def _round_page(n):
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
 def _geometry(slot_count, request_bytes, response_bytes, ring_records):
-    table = PAGE
+    states = PAGE
+    table = states + _round_page(slot_count * 4)
     requests = table + slot_count * SLOT_HEADER
     requests = (requests + PAGE - 1) // PAGE * PAGE
     responses = requests + slot_count * request_bytes
     ring = responses + slot_count * response_bytes
     total = ring + ring_records * _RING.size
-    return table, requests, responses, ring, (total + PAGE - 1) // PAGE * PAGE
+    return states, table, requests, responses, ring, _round_page(total)
 
 
 class Segment:
@@ -119,20 +126,22 @@ class Segment:
         self.response_bytes = self.get("response_bytes")
         self.ring_records = self.get("ring_records")
         (
+            self.states_off,
             self.table_off,
             self.requests_off,
             self.responses_off,
             self.ring_off,
             self.size,
         ) = _geometry(self.slot_count, self.request_bytes, self.response_bytes, self.ring_records)
-        # Vectorised views of every slot's state and owner: a scan is one numpy compare.
+        # Slot states: a numpy view for vector work, a memoryview of u32 for the hot path
+        # (one state read or write there is ~50 ns instead of ~300 ns through numpy).
         self.states = np.ndarray(
-            (self.slot_count,),
-            dtype=np.uint32,
-            buffer=mm,
-            offset=self.table_off,
-            strides=(SLOT_HEADER,),
+            (self.slot_count,), dtype=np.uint32, buffer=mm, offset=self.states_off
         )
+        self.state_words = self.buf[self.states_off : self.states_off + 4 * self.slot_count].cast(
+            "I"
+        )
+        self._states_end = self.states_off + 4 * self.slot_count
         self.owners = np.ndarray(
             (self.slot_count,),
             dtype=np.uint32,
@@ -148,7 +157,7 @@ class Segment:
             strides=(SLOT_HEADER,),
         )
         self.doorbell_addr = _sys.address_of(mm, _H["doorbell"][0])
-        self._state_addr0 = _sys.address_of(mm, self.table_off)
+        self._state_addr0 = _sys.address_of(mm, self.states_off)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -236,6 +245,7 @@ class Segment:
     def close(self):
         for view in ("states", "owners", "waiters"):
             setattr(self, view, None)
+        self.state_words.release()
         self.buf.release()
         with contextlib.suppress(BufferError):  # a caller still holds a view
             self.mm.close()
@@ -264,7 +274,20 @@ class Segment:
         struct.pack_into(fmt, self.mm, self.table_off + index * SLOT_HEADER + offset, value)
 
     def state_addr(self, index):
-        return self._state_addr0 + index * SLOT_HEADER
+        return self._state_addr0 + 4 * index
+
+    def any_ready(self):
+        return self.mm.find(_READY_WORD, self.states_off, self._states_end) != -1
+
+    def ready_slots(self):
+        """Indices of READY slots. A u32 state's low byte is its only non-zero byte, so a
+        byte match of the little-endian word can only start on a word boundary."""
+        found = []
+        pos = self.mm.find(_READY_WORD, self.states_off, self._states_end)
+        while pos != -1:
+            found.append((pos - self.states_off) // 4)
+            pos = self.mm.find(_READY_WORD, pos + 4, self._states_end)
+        return found
 
     def request_view(self, index) -> memoryview:
         start = self.requests_off + index * self.request_bytes

@@ -21,7 +21,7 @@ import numpy as np
 from shminfer import _sys
 from shminfer.backends import BackendError, make_backend
 from shminfer.codec import Decoder, Encoder, PayloadError
-from shminfer.queue import DONE, ERROR, PROCESSING, READY, WORKER_READY, Segment
+from shminfer.queue import DONE, ERROR, PROCESSING, WORKER_READY, Segment
 
 # A lost wake-up cannot hang the worker: the doorbell futex wait is bounded by this.
 _SAFETY_WAIT_S = 0.05
@@ -170,37 +170,40 @@ class Worker:
 
     def _wait_for_work(self):
         seg = self.seg
-        states = seg.states
+        any_ready = seg.any_ready
         if self.wait_mode == "sleep":
             # The seed's design, kept only as the benchmark's baseline.
-            while not (states == READY).any():
+            while not any_ready():
                 time.sleep(0.0005)
             return
-        deadline = time.perf_counter_ns() + self.spin_ns
-        while time.perf_counter_ns() < deadline:
-            if (states == READY).any():
+        clock = time.perf_counter_ns
+        deadline = clock() + self.spin_ns
+        while clock() < deadline:
+            if any_ready():
                 return
         doorbell = seg.get("doorbell")
         seg.set("worker_sleeping", 1)
-        if not (states == READY).any():
+        if not any_ready():
             _sys.futex_wait(seg.doorbell_addr, doorbell, _SAFETY_WAIT_S)
         seg.set("worker_sleeping", 0)
 
     def _claim(self):
         seg = self.seg
-        ready = np.flatnonzero(seg.states == READY)
-        if ready.size == 0:
+        ready = seg.ready_slots()
+        if not ready:
             return []
-        if ready.size < self.min_batch and self.max_wait_ns:
-            oldest = min(seg.slot_get(int(i), "enqueue_ns") for i in ready)
+        if len(ready) < self.min_batch and self.max_wait_ns:
+            oldest = min(seg.slot_get(i, "enqueue_ns") for i in ready)
             until = oldest + self.max_wait_ns
-            while ready.size < self.min_batch and time.monotonic_ns() < until:
-                ready = np.flatnonzero(seg.states == READY)
-        # Oldest first, so a busy queue cannot starve a request.
-        order = sorted((seg.slot_get(int(i), "seq"), int(i)) for i in ready)
-        claimed = [i for _, i in order[: self.max_batch]]
+            while len(ready) < self.min_batch and time.monotonic_ns() < until:
+                ready = seg.ready_slots()
+        if len(ready) > 1:
+            # Oldest first, so a busy queue cannot starve a request.
+            ready = [i for _, i in sorted((seg.slot_get(i, "seq"), i) for i in ready)]
+        claimed = ready[: self.max_batch]
+        words = seg.state_words
         for index in claimed:
-            seg.states[index] = PROCESSING
+            words[index] = PROCESSING
         return claimed
 
     # ------------------------------------------------------------ serving
@@ -217,7 +220,7 @@ class Worker:
         raw = message.encode()[: self.seg.response_bytes]
         self.responses[index][: len(raw)] = raw
         self.seg.slot_set(index, "response_len", len(raw))
-        self.seg.states[index] = ERROR
+        self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
     def _serve(self, claimed):
@@ -228,7 +231,7 @@ class Worker:
             seg.slot_set(index, "start_ns", start_ns)
             try:
                 inputs = self.decoder.decode(
-                    self.requests[index], seg.slot_get(index, "request_len")
+                    self.requests[index], seg.slot_get(index, "request_len"), slot=index
                 )
                 rows = {a.shape[0] if a.ndim else 1 for a in inputs.values()}
                 if len(rows) != 1:
@@ -236,10 +239,13 @@ class Worker:
                 batch.append((index, inputs, rows.pop()))
             except PayloadError as exc:
                 self._fail(index, f"bad request: {exc}")
+        if len(batch) == 1:
+            self._run_group(batch, start_ns)
+            return
         # Requests with the same signature are merged into one model call.
         groups = {}
         for entry in batch:
-            signature = tuple((k, v.dtype.str, v.shape[1:]) for k, v in entry[1].items())
+            signature = tuple((k, v.dtype, v.shape[1:]) for k, v in entry[1].items())
             groups.setdefault(signature, []).append(entry)
         for entries in groups.values():
             self._run_group(entries, start_ns)
@@ -278,7 +284,7 @@ class Worker:
             part = {name: value[row : row + rows] for name, value in outputs.items()}
             row += rows
             try:
-                length = self.encoder.encode_into(self.responses[index], part)
+                length = self.encoder.encode_into(self.responses[index], part, slot=index)
             except (ValueError, TypeError) as exc:
                 self._fail(
                     index,
@@ -290,7 +296,7 @@ class Worker:
             seg.slot_set(index, "response_len", length)
             seg.slot_set(index, "batch_size", total_rows)
             seg.slot_set(index, "done_ns", done_ns)
-            seg.states[index] = DONE
+            seg.state_words[index] = DONE
             seg.wake_slot(index)
         queue_wait = max(0, start_ns - oldest)
         seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
