@@ -365,6 +365,32 @@ def _arm_cpuinfo(shape: dict, online: list[dict]) -> str:
     )
 
 
+def _write_power(w, power: dict | None, online: list[int]) -> None:
+    """cpufreq / cpuidle / boost files (drivers/cpufreq, drivers/cpuidle/sysfs.c)."""
+    if not power:
+        return
+    cpu = "sys/devices/system/cpu"
+    if power.get("boost") is not None:  # acpi-cpufreq and amd-pstate (passive) global knob
+        w.put(f"{cpu}/cpufreq/boost", f"{power['boost']}\n")
+    if power.get("amd_pstate_status"):
+        w.put(f"{cpu}/amd_pstate/status", power["amd_pstate_status"] + "\n")
+    if power.get("intel_no_turbo") is not None:
+        w.put(f"{cpu}/intel_pstate/no_turbo", f"{power['intel_no_turbo']}\n")
+    if power.get("cpuidle_driver"):
+        w.put(f"{cpu}/cpuidle/current_driver", power["cpuidle_driver"] + "\n")
+    for c in online:
+        if power.get("driver"):
+            w.put(f"{cpu}/cpu{c}/cpufreq/scaling_driver", power["driver"] + "\n")
+            w.put(
+                f"{cpu}/cpu{c}/cpufreq/scaling_governor", power.get("governor", "schedutil") + "\n"
+            )
+        for k, state in enumerate(power.get("cstates", [])):
+            base = f"{cpu}/cpu{c}/cpuidle/state{k}"
+            w.put(f"{base}/name", state["name"] + "\n")
+            w.put(f"{base}/latency", f"{state['latency']}\n")
+            w.put(f"{base}/disable", f"{state.get('disable', 0)}\n")
+
+
 def build_tree(shape: dict | str, root: Path) -> Path:
     """Write ``root/sys`` and ``root/proc`` for ``shape`` (a dict or a shape name)."""
     if isinstance(shape, str):
@@ -403,6 +429,7 @@ def build_tree(shape: dict | str, root: Path) -> Path:
         )
     w.put(f"{cpu}/smt/control", smt + "\n")
     w.put(f"{cpu}/smt/active", "1\n" if any(r["thread"] and r["online"] for r in recs) else "0\n")
+    _write_power(w, shape.get("power"), sorted(on_ids))
 
     groups: dict = defaultdict(set)
     for r in online:

@@ -9,8 +9,9 @@ import sys
 import yaml
 
 from rtfleet import __version__, lab
+from rtfleet.checklist import ChecklistError, evaluate
 from rtfleet.planner import PlanError, plan_partition
-from rtfleet.render import render_plan_table, render_topology_table
+from rtfleet.render import render_checklist_table, render_plan_table, render_topology_table
 from rtfleet.topology import TopologyError, read_topology
 
 
@@ -31,7 +32,7 @@ def _load_policy(path: str | None) -> dict:
             f"{path}: a policy is a mapping of keys to values, got {type(data).__name__}"
         )
     # Accept a policy nested under `rtfleet_policy:` so an inventory group_vars file works too.
-    return data.get("rtfleet_policy", data)
+    return dict(data.get("rtfleet_policy", data))
 
 
 def _emit(data: dict, fmt: str, table) -> None:
@@ -55,6 +56,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checklist(args: argparse.Namespace) -> int:
+    wanted = _load_policy(args.wanted)
+    waivers = wanted.pop("waivers", [])
+    try:
+        result = evaluate(read_topology(args.root), wanted, waivers)
+    except ChecklistError as exc:
+        raise PlanError(str(exc)) from None
+    _emit(result, args.format, render_checklist_table)
+    return 0 if result["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtfleet", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rtfleet {__version__}")
@@ -72,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     plan.set_defaults(func=cmd_plan)
+
+    check = sub.add_parser("checklist", help="verify BIOS/firmware settings from the OS")
+    check.add_argument("--root", default="/", help="directory holding sys/ and proc/ (default /)")
+    check.add_argument("--wanted", help="YAML: wanted values (nps, smt, boost, ...) + waivers")
+    check.add_argument("--format", choices=("table", "json", "yaml"), default="table")
+    check.set_defaults(func=cmd_checklist)
 
     lab.add_parser(sub)
     return parser

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -9,7 +11,8 @@ from rtfleet.topology import format_cpulist
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    # Piped output (CI logs, reports) gets room for the hint columns.
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 150)
 
 
 def render_topology_table(topo: dict) -> None:
@@ -118,3 +121,30 @@ def render_plan_table(topo: dict, plan: dict) -> None:
     console.print(derived)
     for warning in plan["warnings"]:
         console.print("[yellow]warning:[/] " + warning)
+
+
+_STATUS_STYLE = {
+    "ok": "green",
+    "mismatch": "bold red",
+    "waived": "yellow",
+    "manual": "cyan",
+    "not_checked": "dim",
+}
+
+
+def render_checklist_table(result: dict) -> None:
+    console = _console()
+    table = Table(title="BIOS / firmware checklist (from the OS)", title_justify="left")
+    for column in ("item", "wanted", "observed", "status", "how to fix"):
+        table.add_column(column)
+    for item in result["items"]:
+        style = _STATUS_STYLE.get(item["status"], "")
+        table.add_row(
+            item["item"],
+            str(item["wanted"]),
+            "-" if item["observed"] is None else str(item["observed"]),
+            f"[{style}]{item['status']}[/]",
+            item["hint"],
+        )
+    console.print(table)
+    console.print("PASSED" if result["ok"] else "FAILED: " + ", ".join(result["failed"]))

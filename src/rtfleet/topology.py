@@ -459,6 +459,37 @@ def _smt(reader, cores):
     }
 
 
+def _power(reader, online):
+    """Frequency driver/governor, boost and idle states, as the first online CPU sees them."""
+    first = online[0]
+    base = "%s/cpu%d/" % (_CPU, first)
+    boost = None
+    text = reader.read_opt(_CPU + "/cpufreq/boost")
+    if text in ("0", "1"):
+        boost = text == "1"
+    no_turbo = reader.read_opt(_CPU + "/intel_pstate/no_turbo")
+    if no_turbo in ("0", "1"):
+        boost = no_turbo == "0"
+    states = []
+    for _index, name in sorted(_numbered(reader.listdir(base + "cpuidle"), "state").items()):
+        rel = base + "cpuidle/" + name + "/"
+        states.append(
+            {
+                "name": reader.read(rel + "name", default="?"),
+                "latency_us": reader.read_int(rel + "latency", default=-1),
+                "disabled": reader.read(rel + "disable", default="0") == "1",
+            }
+        )
+    return {
+        "frequency_driver": reader.read_opt(base + "cpufreq/scaling_driver"),
+        "governor": reader.read_opt(base + "cpufreq/scaling_governor"),
+        "amd_pstate": reader.read_opt(_CPU + "/amd_pstate/status"),
+        "boost": boost,
+        "idle_driver": reader.read_opt(_CPU + "/cpuidle/current_driver"),
+        "idle_states": states,
+    }
+
+
 def _virtualization(reader, cpuinfo_blocks, arch):
     flags = set(cpuinfo_blocks[0].get("flags", "").split()) if cpuinfo_blocks else set()
     dmi = {}
@@ -727,6 +758,7 @@ def read_topology(root="/"):
         "hybrid": bool(core_types),
         "kernel": kernel,
         "isolation": _isolation(reader, kernel, online),
+        "power": _power(reader, online),
         "virtualization": virt,
     }
 
