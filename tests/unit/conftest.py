@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,3 +33,27 @@ def trees():
 
     yield get
     shutil.rmtree(base, ignore_errors=True)
+
+
+REPO = TESTS.parent
+
+
+def run_local_playbook(path: Path, **env) -> subprocess.CompletedProcess:
+    """ansible-playbook PATH against localhost with this repo's ansible.cfg and Python."""
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), **env},
+        cwd=REPO,
+        check=False,
+    )

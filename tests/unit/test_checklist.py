@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_local_playbook
 
 from rtfleet.checklist import ChecklistError, evaluate
 from rtfleet.topology import read_topology
@@ -78,24 +76,7 @@ def test_module_fails_the_host_naming_the_items(trees, tmp_path):
         f"    - bios_checklist:\n        root: {root}\n"
         "        wanted: {smt: 'off'}\n        waivers: [max_idle_latency_us]\n"
     )
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_STDOUT_CALLBACK="json")
-    run = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            "-e",
-            f"ansible_python_interpreter={sys.executable}",
-            str(playbook),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
+    run = run_local_playbook(playbook, ANSIBLE_STDOUT_CALLBACK="json")
     assert run.returncode == 2
     task = json.loads(run.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
     assert "smt: wanted off, observed on" in task["msg"]

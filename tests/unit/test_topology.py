@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import run_local_playbook
 
 from rtfleet.planner import PlanError, check_invariants, plan_partition
 from rtfleet.topology import (
@@ -270,24 +271,8 @@ def test_ansible_module_returns_the_same_facts_as_the_cli(tmp_path, trees):
         "        content: '{{ rtfleet_topology | to_json }}'\n"
         "        mode: '0644'\n"
     )
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"))
-    bindir = Path(sys.executable).parent
-    subprocess.run(
-        [
-            str(bindir / "ansible-playbook"),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            "-e",
-            f"ansible_python_interpreter={sys.executable}",
-            str(playbook),
-        ],
-        check=True,
-        capture_output=True,
-        env=env,
-        cwd=REPO,
-    )
+    run = run_local_playbook(playbook)
+    assert run.returncode == 0, run.stdout + run.stderr
     cli = subprocess.run(
         [sys.executable, "-m", "rtfleet.cli", "topology", "--root", str(root), "--format", "json"],
         check=True,
