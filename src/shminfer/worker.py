@@ -280,6 +280,7 @@ class Worker:
         row = 0
         done_ns = time.monotonic_ns()
         oldest = start_ns
+        answered = []
         for index, _, rows in entries:
             part = {name: value[row : row + rows] for name, value in outputs.items()}
             row += rows
@@ -296,10 +297,14 @@ class Worker:
             seg.slot_set(index, "response_len", length)
             seg.slot_set(index, "batch_size", total_rows)
             seg.slot_set(index, "done_ns", done_ns)
+            answered.append(index)
+        queue_wait = max(0, start_ns - oldest)
+        # The batch's record goes in before its answers are published: a client that has
+        # seen DONE finds its batch in the metrics ring.
+        seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
+        for index in answered:
             seg.state_words[index] = DONE
             seg.wake_slot(index)
-        queue_wait = max(0, start_ns - oldest)
-        seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
         if cpu > self.slow_cpu_ns or wall > self.slow_wall_ns:
             log_event(
                 "slow_infer",
