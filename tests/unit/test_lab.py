@@ -37,8 +37,16 @@ def run_cli(*argv: str) -> int:
 
 
 def sleeper(*marker: str) -> subprocess.Popen:
-    """A real process whose argv carries `marker`, standing in for QEMU."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *marker])
+    """A real process whose argv carries `marker`, standing in for QEMU.
+
+    Returns once the child has exec'd: until then /proc/PID/cmdline is still pytest's.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *marker])
+    deadline = time.monotonic() + 30
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    while b"time.sleep(120)" not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return proc
 
 
 # ----------------------------------------------------------------------------- topologies
