@@ -326,24 +326,40 @@ class Segment:
 
     # ------------------------------------------------------------ leases
 
+    def _orphaned(self, index):
+        """The slot has an owner that is gone, and no request of its is in flight."""
+        owner = int(self.owners[index])
+        if not owner or _sys.alive(owner, self.slot_get(index, "owner_start")):
+            return False
+        # A dead client's request still READY/PROCESSING belongs to the worker until answered.
+        return int(self.states[index]) not in (READY, PROCESSING)
+
     def lease_slots(self, count, pid, start_time):
-        """Lease up to ``count`` free slots to a client process (under flock)."""
+        """Lease up to ``count`` free or orphaned slots to a client process (under flock)."""
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             leased = []
             for index in range(self.slot_count):
                 if len(leased) == count:
                     break
-                owner = int(self.owners[index])
-                if owner and _sys.alive(owner, self.slot_get(index, "owner_start")):
+                if int(self.owners[index]) and not self._orphaned(index):
                     continue
-                if owner and int(self.states[index]) in (READY, PROCESSING):
-                    continue  # a dead client's request still in flight: the worker owns it
                 self.slot_set(index, "owner_start", start_time)
                 self.slot_set(index, "owner_pid", pid)
                 self.states[index] = FREE
                 leased.append(index)
             return leased
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def reclaim_orphaned(self):
+        """Free the slots of dead clients (under the same flock as leasing)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            for index in np.flatnonzero(self.owners).tolist():
+                if self._orphaned(index):
+                    self.states[index] = FREE
+                    self.slot_set(index, "owner_pid", 0)
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 

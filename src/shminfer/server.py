@@ -16,7 +16,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from shminfer import _sys
 from shminfer.metrics import collect, prometheus_text
 from shminfer.queue import (
-    FREE,
     PROCESSING,
     READY,
     WORKER_DEAD,
@@ -188,15 +187,7 @@ class Server:
     def reclaim_dead_clients(self):
         """Free slots whose client process is gone (and whose request is not in flight)."""
         for segment in self.segments.values():
-            owners = segment.owners
-            for index in range(segment.slot_count):
-                pid = int(owners[index])
-                if not pid or _sys.alive(pid, segment.slot_get(index, "owner_start")):
-                    continue
-                if int(segment.states[index]) in (READY, PROCESSING):
-                    continue
-                segment.states[index] = FREE
-                segment.slot_set(index, "owner_pid", 0)
+            segment.reclaim_orphaned()
 
     def stop(self, *_):
         self._stop.set()
