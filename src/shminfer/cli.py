@@ -13,7 +13,7 @@ from shminfer.backends import BACKENDS, BackendError, make_model
 from shminfer.client import Client, InferenceError
 from shminfer.codec import PayloadError
 from shminfer.metrics import summarize
-from shminfer.queue import QueueError, Segment
+from shminfer.queue import RING_FIELDS, QueueError, Segment
 from shminfer.registry import read_registry
 
 
@@ -93,16 +93,20 @@ def _connect(args) -> Client:
             time.sleep(0.1)
 
 
+_CPU_COL = RING_FIELDS.index("process_cpu_ns")
+_WALL_COL = RING_FIELDS.index("wall_ns")
+
+
 def cmd_smoke(args) -> int:
     rng = np.random.default_rng(0)
     with _connect(args) as client:
         client.wait_ready(args.ready_timeout)
         model = client.model
-        heads = [lane.seg.get("ring_head") for lane in client.lanes]
         latencies = []
         errors = 0
         for _ in range(args.warmup):
             client.infer(_inputs_for(model, args.batch, rng))
+        # Metrics window: the batches after the warm-up.
         heads = [lane.seg.get("ring_head") for lane in client.lanes]
         requests = [_inputs_for(model, args.batch, rng) for _ in range(min(args.requests, 64))]
         for i in range(args.requests):
@@ -129,7 +133,8 @@ def cmd_smoke(args) -> int:
         "latency_ms_max": float(lat.max()),
         "slow_infer": int(
             (
-                (records[:, 2] > args.slow_cpu_ms * 1e6) | (records[:, 1] > args.slow_wall_ms * 1e6)
+                (records[:, _CPU_COL] > args.slow_cpu_ms * 1e6)
+                | (records[:, _WALL_COL] > args.slow_wall_ms * 1e6)
             ).sum()
         )
         if records.size
