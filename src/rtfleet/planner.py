@@ -194,12 +194,13 @@ def _choose_housekeeping(topology, policy, core_of):
         return sorted(explicit)
 
     wanted = policy["housekeeping_cores_per_node"]
+    l3_of = {c: g["id"] for g in topology["l3_groups"] for c in g["cpus"]}
     housekeeping = []
     for node in nodes:
         node_cores = []
         seen = set()
         # Take cores from the node's first L3 group, so the other groups stay whole.
-        for cpu in sorted(node["cpus"], key=lambda c: (core_l3(topology, c), c)):
+        for cpu in sorted(node["cpus"], key=lambda c: (l3_of.get(c, -1), c)):
             core = tuple(core_of[cpu])
             if core not in seen:
                 seen.add(core)
@@ -218,13 +219,6 @@ def _choose_housekeeping(topology, policy, core_of):
             "the runtime or pods: lower housekeeping_cores_per_node" % wanted
         )
     return sorted(housekeeping)
-
-
-def core_l3(topology, cpu):
-    for group in topology["l3_groups"]:
-        if cpu in group["cpus"]:
-            return group["id"]
-    return -1
 
 
 def _placement_units(topology, housekeeping, core_of, policy):
