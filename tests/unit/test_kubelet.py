@@ -1,0 +1,637 @@
+"""Kubelet configuration: rendering from the plan, kubelet's own validation rules, the
+checkpoint-reset decision, and the rtfleet_kubelet role run by ansible-playbook on
+localhost against generated sysfs trees, with a temporary directory as kubelet's files.
+
+The invalid cases follow kubelet's validation tests (pkg/kubelet/apis/config/validation/
+validation_test.go, validation_reserved_memory_test.go) and the CPU / Topology / Memory
+Manager constructors that refuse a configuration at kubelet start.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+from rtfleet import kubelet
+from rtfleet.planner import plan_partition
+from rtfleet.topology import read_topology
+
+
+@pytest.fixture(scope="module")
+def epyc(trees):
+    """EPYC 7702P NPS4: 64 cores, no SMT, 16 CCX on 4 NUMA nodes."""
+    topology = read_topology(str(trees("epyc-7702p-nps4")))
+    return topology, plan_partition(topology, {"runtime_l3_groups": 8})
+
+
+@pytest.fixture(scope="module")
+def xeon(trees):
+    """Dual Xeon 8380 with SMT: 80 cores / 160 threads, siblings n and n+80."""
+    topology = read_topology(str(trees("xeon-2s-smt")))
+    return topology, plan_partition(topology, {"runtime_l3_groups": 1})
+
+
+def _build(machine, **settings):
+    topology, plan = machine
+    settings.setdefault("kubelet_version", "1.34")
+    return kubelet.build(plan, topology, settings)
+
+
+def _errors(machine, extra=None, **settings):
+    """Validation errors of the effective config (extra keys merged last)."""
+    topology, plan = machine
+    settings.setdefault("kubelet_version", "1.34")
+    if extra is not None:
+        settings["extra"] = extra
+    normalized = kubelet.normalize_settings(settings)
+    try:
+        config, _ = kubelet.render(plan, topology, normalized)
+    except kubelet.KubeletConfigError as exc:  # refused while rendering (reservedMemory auto)
+        return [str(exc)]
+    return kubelet.validate(config, topology, normalized, plan)
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_render_reserves_housekeeping_and_runtime_and_splits_memory(epyc):
+    _topology, plan = epyc
+    result = _build(epyc)
+    config = result["config"]
+    assert result["dropin"] and not result["warnings"]
+    assert config["apiVersion"] == "kubelet.config.k8s.io/v1beta1"
+    assert config["kind"] == "KubeletConfiguration"
+    assert config["cpuManagerPolicy"] == "static"
+    assert config["reservedSystemCPUs"] == plan["kubelet"]["reservedSystemCPUs"]
+    reserved = set(kubelet.parse_cpuset(config["reservedSystemCPUs"]))
+    assert reserved == set(plan["housekeeping"]) | set(plan["runtime"])
+    assert not reserved & set(plan["pod_pool"])
+    assert config["topologyManagerPolicy"] == "single-numa-node"
+    assert config["memoryManagerPolicy"] == "Static"
+    # 512Mi + 512Mi + 100Mi over 4 nodes: 281Mi each, and the sum is exact.
+    assert config["reservedMemory"] == [
+        {"numaNode": n, "limits": {"memory": "281Mi"}} for n in range(4)
+    ]
+    assert "max-allowable-numa-nodes" not in config.get("topologyManagerPolicyOptions", {})
+
+
+@pytest.mark.parametrize(
+    ("version", "options", "gates", "dropin"),
+    [
+        (
+            "1.27",
+            ["full-pcpus-only"],
+            {"CPUManagerPolicyOptions": True, "CPUManagerPolicyBetaOptions": True},
+            False,
+        ),
+        (
+            "1.29",
+            ["full-pcpus-only"],
+            {"CPUManagerPolicyOptions": True, "CPUManagerPolicyBetaOptions": True},
+            False,
+        ),
+        (
+            "1.31",
+            ["full-pcpus-only"],
+            {"CPUManagerPolicyOptions": True, "CPUManagerPolicyBetaOptions": True},
+            True,
+        ),
+        (
+            "1.33",
+            ["full-pcpus-only", "strict-cpu-reservation"],
+            {"CPUManagerPolicyBetaOptions": True},
+            True,
+        ),
+        (
+            "v1.34.2",
+            ["full-pcpus-only", "prefer-align-cpus-by-uncorecache", "strict-cpu-reservation"],
+            {"CPUManagerPolicyBetaOptions": True},
+            True,
+        ),
+        (
+            "1.36",
+            ["full-pcpus-only", "prefer-align-cpus-by-uncorecache", "strict-cpu-reservation"],
+            None,
+            True,
+        ),
+    ],
+)
+def test_recommended_options_and_gates_follow_the_kubelet_version(
+    epyc, version, options, gates, dropin
+):
+    result = _build(epyc, kubelet_version=version)
+    assert sorted(result["config"]["cpuManagerPolicyOptions"]) == options
+    assert result["config"].get("featureGates") == gates
+    assert result["dropin"] is dropin
+
+
+def test_old_kubelet_warns_that_reserved_cpus_are_shared(epyc):
+    warnings = _build(epyc, kubelet_version="1.31")["warnings"]
+    assert any("strict-cpu-reservation is off" in w for w in warnings)
+
+
+def test_explicit_options_win_and_conflicting_recommendations_are_left_out(epyc):
+    config = _build(
+        epyc,
+        cpu_manager_policy_options={"full-pcpus-only": False, "distribute-cpus-across-numa": True},
+        topology_manager_policy="restricted",
+    )["config"]
+    assert config["cpuManagerPolicyOptions"] == {
+        "full-pcpus-only": "false",  # YAML false becomes the string kubelet's map wants
+        "distribute-cpus-across-numa": "true",
+        "strict-cpu-reservation": "true",
+    }
+
+
+def test_alpha_option_needs_consent_and_then_turns_on_its_gate(epyc):
+    settings = {"cpu_manager_policy_options": {"align-by-socket": "true"}}
+    settings["topology_manager_policy"] = "restricted"
+    with pytest.raises(kubelet.KubeletConfigError, match="rtfleet_kubelet_allow_alpha_options"):
+        _build(epyc, **settings)
+    config = _build(epyc, allow_alpha_options=True, **settings)["config"]
+    assert config["featureGates"]["CPUManagerPolicyAlphaOptions"] is True
+
+
+def test_extra_keys_are_merged_last(epyc):
+    config = _build(
+        epyc,
+        extra={"maxPods": 50, "evictionHard": {"nodefs.available": "5%"}},
+        reserved_memory="auto",
+    )["config"]
+    assert config["maxPods"] == 50
+    assert config["evictionHard"] == {"memory.available": "100Mi", "nodefs.available": "5%"}
+
+
+def test_more_than_eight_numa_nodes_gets_max_allowable_numa_nodes(epyc):
+    topology, plan = epyc
+    big = copy.deepcopy(topology)
+    big["numa_nodes"] = [
+        {"id": i, "cpus": [i * 4 + c for c in range(4)], "memory_kb": 2**20} for i in range(16)
+    ]
+    config, _ = kubelet.render(plan, big, kubelet.normalize_settings({"kubelet_version": "1.34"}))
+    assert config["topologyManagerPolicyOptions"] == {"max-allowable-numa-nodes": "16"}
+    assert len(config["reservedMemory"]) == 16
+    settings = kubelet.normalize_settings({"kubelet_version": "1.30"})
+    config, _ = kubelet.render(plan, big, settings)
+    errors = kubelet.validate(config, big, settings, plan)
+    assert any("upgrade kubelet" in e and "16 NUMA nodes" in e for e in errors)
+
+
+def test_main_file_mode_merges_into_the_main_config(epyc):
+    result = _build(
+        epyc,
+        kubelet_version="1.29",
+    )
+    assert not result["dropin"]
+    topology, plan = epyc
+    base = {"apiVersion": "kubelet.config.k8s.io/v1beta1", "cgroupDriver": "systemd"}
+    result = kubelet.build(plan, topology, {"kubelet_version": "1.29"}, base_config=base)
+    assert result["config"]["cgroupDriver"] == "systemd"
+    assert result["config"]["cpuManagerPolicy"] == "static"
+
+
+def test_dropin_mode_is_refused_before_1_28(epyc):
+    with pytest.raises(kubelet.KubeletConfigError, match=r"needs kubelet >= 1\.28"):
+        _build(epyc, kubelet_version="1.27", config_mode="dropin")
+    assert any(
+        "KUBELET_CONFIG_DROPIN_DIR_ALPHA" in w
+        for w in _build(epyc, kubelet_version="1.28", config_mode="dropin")["warnings"]
+    )
+
+
+def test_dump_is_commented_json_that_yaml_and_load_read_back(epyc):
+    config = _build(epyc)["config"]
+    text = kubelet.dump(config, "Managed by rtfleet (role rtfleet_kubelet).\nSecond line.")
+    assert text.startswith("# Managed by rtfleet (role rtfleet_kubelet).\n# Second line.\n{")
+    assert yaml.safe_load(text) == config == kubelet.load(text)
+    # Option values stay strings through YAML (kubelet's map[string]string needs that).
+    assert yaml.safe_load(text)["cpuManagerPolicyOptions"]["full-pcpus-only"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1Gi", 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1G", 10**9),
+        ("1e3", 1000),
+        ("1.5Gi", 3 * 2**29),
+        (1024, 1024),
+        ("100m", Fraction(1, 10)),
+    ],
+)
+def test_quantities(text, value):
+    assert kubelet.parse_quantity(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "1GB", "Gi", "1 Gi", "one"])
+def test_bad_quantities(text):
+    with pytest.raises(ValueError):
+        kubelet.parse_quantity(text)
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("settings", "extra", "message"),
+    [
+        # kubelet validation_test.go: invalid topology manager policy / scope
+        (
+            {},
+            {"topologyManagerPolicy": "invalid-policy"},
+            "topologyManagerPolicy 'invalid-policy' must be one of",
+        ),
+        (
+            {},
+            {"topologyManagerScope": "invalid-scope"},
+            "topologyManagerScope 'invalid-scope' must be one of",
+        ),
+        # reservedSystemCPUs: unparseable, and not together with the reserved cgroups
+        ({"reserved_system_cpus": "0-"}, None, "unable to parse reservedSystemCPUs"),
+        ({"reserved_system_cpus": "a"}, None, "unable to parse reservedSystemCPUs"),
+        (
+            {},
+            {"systemReservedCgroup": "/system.slice"},
+            "can't use reservedSystemCPUs with systemReservedCgroup",
+        ),
+        (
+            {},
+            {"kubeReservedCgroup": "/kube.slice"},
+            "can't use reservedSystemCPUs with systemReservedCgroup",
+        ),
+        # validation_reserved_memory_test.go
+        (
+            {"reserved_memory": [{"numaNode": 0, "limits": {"cpu": "1"}}]},
+            None,
+            "the limit type 'cpu' for NUMA node 0 is not supported",
+        ),
+        (
+            {"reserved_memory": [{"numaNode": 0, "limits": {"memory": "0"}}]},
+            None,
+            "reserved memory may not be zero for NUMA node 0",
+        ),
+        (
+            {
+                "reserved_memory": [
+                    {"numaNode": 0, "limits": {"memory": "562Mi"}},
+                    {"numaNode": 0, "limits": {"memory": "562Mi"}},
+                ]
+            },
+            None,
+            "duplicate value for NUMA node 0 and resource 'memory'",
+        ),
+        # memory manager: nodes that exist, sums equal to kube + system + hard eviction
+        (
+            {"reserved_memory": [{"numaNode": 9, "limits": {"memory": "1124Mi"}}]},
+            None,
+            "references a NUMA node 9 that does not exist",
+        ),
+        (
+            {"reserved_memory": [{"numaNode": 0, "limits": {"memory": "1Gi"}}]},
+            None,
+            "adds up to 1Gi over the NUMA nodes, but kubeReserved + systemReserved + evictionHard",
+        ),
+        ({"eviction_hard": {"memory.available": "5%"}}, None, "a percentage"),
+        (
+            {"kube_reserved": {"memory": "1Gi", "hugepages-2Mi": "3Mi"}},
+            None,
+            "not a whole number of pages",
+        ),
+        (
+            {"kube_reserved": {}, "system_reserved": {}, "eviction_hard": {}},
+            None,
+            "needs a memory reservation",
+        ),
+        ({"memory_manager_policy": "static"}, None, "note the capital letter"),
+        # CPU manager: policy, options per version, values, conflicts
+        ({}, {"cpuManagerPolicy": "none"}, "rtfleet needs static"),
+        ({}, {"cpuManagerPolicy": "dynamic"}, "is not a kubelet CPU Manager policy"),
+        ({"cpu_manager_policy_options": {"no-such-option": "true"}}, None, "unknown option"),
+        (
+            {
+                "kubelet_version": "1.31",
+                "cpu_manager_policy_options": {"prefer-align-cpus-by-uncorecache": "true"},
+            },
+            None,
+            "appeared in 1.32",
+        ),
+        ({"cpu_manager_policy_options": {"full-pcpus-only": "yes"}}, None, 'use "true" or "false"'),
+        (
+            {
+                "cpu_manager_policy_options": {
+                    "distribute-cpus-across-numa": "true",
+                    "prefer-align-cpus-by-uncorecache": "true",
+                }
+            },
+            None,
+            "prefer-align-cpus-by-uncorecache and distribute-cpus-across-numa can not be used",
+        ),
+        (
+            {
+                "allow_alpha_options": True,
+                "cpu_manager_policy_options": {
+                    "full-pcpus-only": "true",
+                    "distribute-cpus-across-cores": "true",
+                },
+            },
+            None,
+            "full-pcpus-only and distribute-cpus-across-cores can not be used at the same time",
+        ),
+        (
+            {
+                "allow_alpha_options": True,
+                "cpu_manager_policy_options": {"align-by-socket": "true"},
+            },
+            None,
+            "align-by-socket is incompatible with topologyManagerPolicy single-numa-node",
+        ),
+        (
+            {"kubelet_version": "1.31", "feature_gates": {"CPUManagerPolicyBetaOptions": False}},
+            None,
+            "needs featureGates.CPUManagerPolicyBetaOptions: true",
+        ),
+        ({"cpu_manager_reconcile_period": "10 seconds"}, None, "is not a duration"),
+        ({"cpu_manager_reconcile_period": "0s"}, None, "must be greater than zero"),
+        ({"kube_reserved": {"memory": "512Mi", "cpu": "1"}}, None, "kubeReserved.cpu is set"),
+        # Topology manager options
+        (
+            {"topology_manager_policy_options": {"max-allowable-numa-nodes": "4"}},
+            None,
+            "wants at least 8",
+        ),
+        (
+            {"topology_manager_policy_options": {"max-allowable-numa-nodes": "many"}},
+            None,
+            "is not an integer",
+        ),
+        (
+            {
+                "kubelet_version": "1.30",
+                "topology_manager_policy_options": {"max-allowable-numa-nodes": "8"},
+            },
+            None,
+            "appeared in 1.31",
+        ),
+        (
+            {
+                "kubelet_version": "1.27",
+                "topology_manager_policy_options": {"prefer-closest-numa-nodes": "true"},
+            },
+            None,
+            "is alpha in kubelet 1.27",
+        ),
+        ({"kubelet_version": "1.25"}, None, "older than rtfleet supports"),
+        ({"feature_gates": {"Foo": "yes"}}, None, "featureGates.Foo must be true or false"),
+    ],
+)
+def test_invalid_configurations_are_refused_with_what_to_change(epyc, settings, extra, message):
+    errors = _errors(epyc, extra, **settings)
+    assert any(message in e for e in errors), errors
+
+
+def test_reserved_cpus_must_exist_and_cover_the_runtime(epyc):
+    errors = _errors(epyc, reserved_system_cpus="0-3,200")
+    assert any("CPUs 200 that this host does not have online" in e for e in errors)
+    assert any("leaves runtime CPUs" in e for e in errors)
+
+
+def test_full_pcpus_only_needs_whole_reserved_cores(xeon):
+    _topology, plan = xeon
+    assert not _errors(xeon)  # the plan reserves whole cores
+    hk = plan["housekeeping"]
+    half = ",".join(str(c) for c in sorted(set(plan["runtime"]) | set(hk[: len(hk) // 2])))
+    errors = _errors(xeon, reserved_system_cpus=half)
+    assert any("splits SMT cores" in e for e in errors), errors
+    assert not any(
+        "splits SMT cores" in e
+        for e in _errors(
+            xeon, reserved_system_cpus=half, cpu_manager_policy_options={"full-pcpus-only": "false"}
+        )
+    )
+
+
+def test_build_reports_every_problem_at_once(epyc):
+    with pytest.raises(kubelet.KubeletConfigError) as failure:
+        _build(epyc, topology_manager_policy="bogus", reserved_system_cpus="0-")
+    assert "2 problems" in str(failure.value) and "nothing was changed" in str(failure.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"no_such_setting": 1}, "unknown kubelet setting 'no_such_setting'"),
+        ({"kubelet_version": "latest"}, 'kubelet_version must look like "1.31"'),
+        ({"config_mode": "both"}, "config_mode must be auto, dropin or main"),
+        ({"kube_reserved": "1Gi"}, "kube_reserved must be a mapping"),
+        ({"reserved_memory": "half"}, 'reserved_memory must be "auto" or a list'),
+    ],
+)
+def test_bad_settings_are_named(epyc, settings, message):
+    with pytest.raises(kubelet.KubeletConfigError, match=message):
+        _build(epyc, **settings)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _state(policy):
+    return json.dumps({"policyName": policy, "checksum": 1})
+
+
+def test_checkpoint_reset_only_when_policy_reserved_set_or_options_change(epyc):
+    new = _build(epyc)["effective"]
+    same = kubelet.state_reset(new, new, _state("static"), _state("Static"))
+    assert not same["cpu_manager_state"]["reset"] and not same["memory_manager_state"]["reset"]
+    topology_only = dict(new, topologyManagerPolicy="restricted")
+    assert not kubelet.state_reset(topology_only, new, _state("static"), None)["cpu_manager_state"][
+        "reset"
+    ]
+    for change in (
+        {"cpuManagerPolicy": "none"},
+        {"reservedSystemCPUs": "0-3"},
+        {"cpuManagerPolicyOptions": {"full-pcpus-only": "true"}},
+    ):
+        decision = kubelet.state_reset(dict(new, **change), new, _state("static"), _state("Static"))
+        assert decision["cpu_manager_state"]["reset"], change
+        assert not decision["memory_manager_state"]["reset"], change
+    memory = kubelet.state_reset(
+        dict(new, reservedMemory=[]), new, _state("static"), _state("Static")
+    )
+    assert memory["memory_manager_state"]["reset"] and not memory["cpu_manager_state"]["reset"]
+
+
+def test_reserved_set_is_compared_as_a_set(epyc):
+    new = _build(epyc)["effective"]
+    spelled = ",".join(str(c) for c in kubelet.parse_cpuset(new["reservedSystemCPUs"]))
+    decision = kubelet.state_reset(dict(new, reservedSystemCPUs=spelled), new, _state("static"))
+    assert not decision["cpu_manager_state"]["reset"]
+
+
+def test_absent_checkpoints_never_need_a_reset_and_stale_ones_always_do(epyc):
+    new = _build(epyc)["effective"]
+    assert kubelet.state_reset(None, new)["cpu_manager_state"] == {
+        "exists": False,
+        "reset": False,
+        "reasons": [],
+    }
+    stale = kubelet.state_reset(new, new, _state("none"))["cpu_manager_state"]
+    assert stale["reset"] and "records policy 'none'" in stale["reasons"][0]
+    assert kubelet.state_reset(None, new, _state("static"))["cpu_manager_state"]["reset"]
+    assert kubelet.state_reset(new, new, "not json")["cpu_manager_state"]["reset"]
+
+
+# ------------------------------------------------------------------ the role on localhost
+
+
+def _run_role(tmp_path, root, *args, **role_vars):
+    kube = tmp_path / "kube"
+    role_vars = {
+        "rtfleet_kubelet_sysfs_root": str(root),
+        "rtfleet_kubelet_config_dir": str(kube / "etc/kubelet.conf.d"),
+        "rtfleet_kubelet_main_config": str(kube / "var/config.yaml"),
+        "rtfleet_kubelet_state_dir": str(kube / "var"),
+        "rtfleet_kubelet_backup_dir": str(kube / "backups"),
+        "rtfleet_kubelet_binary": str(kube / "no-kubelet-here"),
+        "rtfleet_kubelet_version": "1.34",
+        "rtfleet_kubelet_policy": {"runtime_l3_groups": 8},
+        **role_vars,
+    }
+    play = [
+        {
+            "name": "Kubelet",
+            "hosts": "localhost",
+            "gather_facts": False,
+            "roles": [{"role": "rtfleet_kubelet", "vars": role_vars}],
+        }
+    ]
+    playbook = tmp_path / "kubelet.yml"
+    playbook.write_text(yaml.safe_dump(play))
+    # conftest.run_local_playbook, plus --check/--diff.
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            *("-i", "localhost,", "-c", "local"),
+            *("-e", f"ansible_python_interpreter={sys.executable}"),
+            *args,
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_STDOUT_CALLBACK": "json",
+        },
+        cwd=REPO,
+        check=False,
+    )
+    return run, json.loads(run.stdout) if run.stdout.startswith("{") else None
+
+
+def _stats(report):
+    return report["stats"]["localhost"]
+
+
+def _task_results(report, name):
+    return [
+        t["hosts"]["localhost"]
+        for play in report["plays"]
+        for t in play["tasks"]
+        if t["task"]["name"].endswith(name)
+    ]
+
+
+@pytest.fixture
+def node(tmp_path):
+    """kubelet's files before rtfleet: kubeadm's main config and default-policy checkpoints."""
+    var = tmp_path / "kube/var"
+    var.mkdir(parents=True)
+    (var / "config.yaml").write_text(
+        "apiVersion: kubelet.config.k8s.io/v1beta1\ncgroupDriver: systemd\n"
+    )
+    (var / "cpu_manager_state").write_text(_state("none"))
+    (var / "memory_manager_state").write_text(_state("None"))
+    return tmp_path
+
+
+def test_role_writes_the_dropin_resets_checkpoints_and_is_idempotent(trees, node):
+    root = trees("epyc-7702p-nps4")
+    kube = node / "kube"
+    run, report = _run_role(node, root)
+    assert run.returncode == 0, run.stdout[-3000:]
+    dropin = kube / "etc/kubelet.conf.d/90-rtfleet.conf"
+    config = kubelet.load(dropin.read_text())
+    assert config["cpuManagerPolicy"] == "static"
+    assert oct(dropin.stat().st_mode & 0o777) == "0o644"
+    assert not (kube / "var/cpu_manager_state").exists()
+    assert not (kube / "var/memory_manager_state").exists()
+    (backup,) = (kube / "backups").iterdir()
+    record = json.loads((backup / "rtfleet-change.json").read_text())
+    assert sorted(p.name for p in backup.iterdir()) == [
+        "cpu_manager_state",
+        "memory_manager_state",
+        "rtfleet-change.json",
+    ]
+    assert record["steps"][2] == "checkpoints removed: cpu_manager_state, memory_manager_state"
+    assert "cgroupDriver: systemd" in (kube / "var/config.yaml").read_text()  # main untouched
+    skipped = _task_results(report, "Report that the kubelet restart path cannot run here")
+    assert "restart/health check/rollback NOT" in skipped[0]["msg"]
+
+    # Second run: nothing changes; a checkpoint kubelet would now write stays.
+    (kube / "var/cpu_manager_state").write_text(_state("static"))
+    run, report = _run_role(node, root)
+    assert run.returncode == 0 and _stats(report)["changed"] == 0
+    assert (kube / "var/cpu_manager_state").exists()
+
+    # A Topology Manager change rewrites the file but keeps the checkpoint.
+    run, report = _run_role(node, root, rtfleet_kubelet_topology_manager_policy="restricted")
+    assert run.returncode == 0 and _stats(report)["changed"] > 0
+    assert kubelet.load(dropin.read_text())["topologyManagerPolicy"] == "restricted"
+    assert (kube / "var/cpu_manager_state").exists()
+
+
+def test_role_check_mode_changes_nothing(trees, node):
+    root = trees("epyc-7702p-nps4")
+    before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
+    run, report = _run_role(node, root, "--check", "--diff")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert _task_results(report, "Preview the configuration change (check mode)")[0]["changed"]
+    assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
+    assert not (node / "kube/etc").exists() and not (node / "kube/backups").exists()
+
+
+@pytest.mark.parametrize(
+    ("role_vars", "message"),
+    [
+        (
+            {"rtfleet_kubelet_topology_manager_policy": "strict"},
+            "rtfleet_kubelet_topology_manager_policy",
+        ),
+        ({"rtfleet_kubelet_reserved_system_cpus": "0-3"}, "leaves runtime CPUs"),
+    ],
+)
+def test_role_refuses_bad_input_before_anything_changes(trees, node, role_vars, message):
+    root = trees("epyc-7702p-nps4")
+    before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
+    run, report = _run_role(node, root, **role_vars)
+    assert run.returncode == 2
+    failed = [
+        r
+        for play in report["plays"]
+        for t in play["tasks"]
+        for r in [t["hosts"]["localhost"]]
+        if r.get("failed")
+    ]
+    assert message in failed[0]["msg"]
+    assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
+    assert not (node / "kube/etc").exists()
