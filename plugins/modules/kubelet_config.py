@@ -56,6 +56,10 @@ options:
     description: kubelet's root directory holding cpu_manager_state and memory_manager_state.
     type: path
     default: /var/lib/kubelet
+  proc_root:
+    description: Where a running kubelet's command line is looked for (its --config-dir).
+    type: path
+    default: /proc
   header:
     description: Comment lines at the top of the file (the managed marker).
     type: str
@@ -123,6 +127,7 @@ from ansible.module_utils.rtfleet_kubelet import (
     KubeletConfigError,
     build,
     config_target,
+    dropin_warning,
     dump,
     normalize_settings,
     parse_version,
@@ -139,6 +144,7 @@ def build_module():
             dropin_path=dict(type="path", default="/etc/kubernetes/kubelet.conf.d/90-rtfleet.conf"),
             main_config_path=dict(type="path", default="/var/lib/kubelet/config.yaml"),
             state_dir=dict(type="path", default="/var/lib/kubelet"),
+            proc_root=dict(type="path", default="/proc"),
             header=dict(
                 type="str",
                 default="Managed by rtfleet (role rtfleet_kubelet). Local changes are overwritten.",
@@ -154,6 +160,20 @@ def _read(path):
             return handle.read()
     except (IOError, OSError):
         return None
+
+
+def _running_kubelet_argv(proc_root):
+    """The command line of a running kubelet process, or None."""
+    try:
+        pids = [name for name in os.listdir(proc_root) if name.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        comm = _read(os.path.join(proc_root, pid, "comm"))
+        if comm is not None and comm.strip() == "kubelet":
+            cmdline = _read(os.path.join(proc_root, pid, "cmdline")) or ""
+            return [arg for arg in cmdline.split("\0") if arg]
+    return None
 
 
 def run_module(module):
@@ -181,6 +201,11 @@ def run_module(module):
         )
     except KubeletConfigError as exc:
         module.fail_json(msg=str(exc))
+    argv = _running_kubelet_argv(params["proc_root"]) if result["dropin"] else None
+    if argv is not None:
+        warning = dropin_warning(argv, os.path.dirname(dest))
+        if warning:
+            result["warnings"].append(warning)
     for warning in result["warnings"]:
         module.warn(warning)
     content = dump(result["config"], params["header"])

@@ -882,6 +882,35 @@ def state_reset(previous, new, cpu_state=None, memory_state=None):
     return result
 
 
+# ------------------------------------------------------------------ running kubelet
+
+
+def config_dir_of(argv):
+    """The --config-dir a kubelet command line passes ("" when it passes none)."""
+    for index, arg in enumerate(argv):
+        if arg.startswith("--config-dir="):
+            return arg.split("=", 1)[1]
+        if arg == "--config-dir" and index + 1 < len(argv):
+            return argv[index + 1]
+    return ""
+
+
+def dropin_warning(argv, config_dir):
+    """A warning when a running kubelet would not read rtfleet's drop-in, else None."""
+    seen = config_dir_of(argv).rstrip("/")
+    if seen == config_dir.rstrip("/"):
+        return None
+    return (
+        "the running kubelet %s, so it will not read rtfleet's drop-in in %s: add "
+        "--config-dir=%s to its command line (kubeadm: KUBELET_EXTRA_ARGS)"
+        % (
+            "reads --config-dir=%s" % seen if seen else "has no --config-dir",
+            config_dir,
+            config_dir,
+        )
+    )
+
+
 # ------------------------------------------------------------------ files
 
 

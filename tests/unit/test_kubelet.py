@@ -441,6 +441,18 @@ def test_bad_settings_are_named(epyc, settings, message):
         _build(epyc, **settings)
 
 
+def test_a_kubelet_without_the_config_dir_is_reported():
+    conf_d = "/etc/kubernetes/kubelet.conf.d"
+    assert (
+        kubelet.dropin_warning(["/usr/bin/kubelet", "--config-dir=" + conf_d + "/"], conf_d) is None
+    )
+    assert kubelet.dropin_warning(["kubelet", "--config-dir", conf_d], conf_d) is None
+    assert "has no --config-dir" in kubelet.dropin_warning(["kubelet", "--config=/x"], conf_d)
+    assert "reads --config-dir=/other" in kubelet.dropin_warning(
+        ["kubelet", "--config-dir=/other"], conf_d
+    )
+
+
 # ------------------------------------------------------------------ checkpoints
 
 
