@@ -14,6 +14,7 @@ __metaclass__ = type
 from ansible.errors import AnsibleFilterError
 
 try:
+    from rtfleet.boot import BootConfigError, compose_kernel_args
     from rtfleet.planner import PlanError, plan_partition
     from rtfleet.topology import format_cpulist, parse_cpulist
 
@@ -53,10 +54,20 @@ def rtfleet_cpus(cpulist):
     return parse_cpulist(str(cpulist))
 
 
+def rtfleet_kernel_args(plan, topology, options=None):
+    """{{ plan | rtfleet_kernel_args(rtfleet_topology, options) }} -> the host's kernel args."""
+    _require()
+    try:
+        return compose_kernel_args(plan, topology, dict(options or {}))
+    except BootConfigError as exc:
+        raise AnsibleFilterError("rtfleet kernel command line: %s" % exc) from None
+
+
 class FilterModule(object):
     def filters(self):
         return {
             "rtfleet_plan": rtfleet_plan,
             "rtfleet_cpulist": rtfleet_cpulist,
             "rtfleet_cpus": rtfleet_cpus,
+            "rtfleet_kernel_args": rtfleet_kernel_args,
         }

@@ -22,28 +22,32 @@ def _run(tmp_path, root, **role_vars):
             "name": "Preflight",
             "hosts": "localhost",
             "gather_facts": False,
-            "roles": [
+            "tasks": [
                 {
-                    "role": "rtfleet_host",
+                    # Only the preflight entry point: the rest of the role changes a host.
+                    "ansible.builtin.include_role": {
+                        "name": "rtfleet_host",
+                        "tasks_from": "preflight",
+                    },
                     "vars": {"rtfleet_host_sysfs_root": str(root), **role_vars},
-                }
-            ],
-            "post_tasks": [
+                },
                 {
                     "ansible.builtin.copy": {
                         "dest": str(out),
-                        "content": "{{ rtfleet_host_plan | to_json }}",
+                        "content": "{{ {'plan': rtfleet_host_plan,"
+                        " 'args': rtfleet_host_kernel_args}"
+                        " | to_json }}",
                         "mode": "0644",
                     }
-                }
+                },
             ],
         }
     ]
     playbook = tmp_path / "preflight.yml"
     playbook.write_text(yaml.safe_dump(play))
     run = run_local_playbook(playbook, ANSIBLE_STDOUT_CALLBACK="json")
-    plan = json.loads(out.read_text()) if out.exists() else None
-    return run, plan
+    data = json.loads(out.read_text()) if out.exists() else {"plan": None, "args": None}
+    return run, data["plan"], data["args"]
 
 
 def _failure(run):
@@ -56,19 +60,29 @@ def _failure(run):
 
 
 def test_bare_metal_host_passes_and_gets_its_plan(trees, tmp_path):
-    run, plan = _run(
+    run, plan, args = _run(
         tmp_path,
         trees("epyc-9634-2s"),
         rtfleet_host_policy={"partial_l3_groups": "pod_pool"},
         rtfleet_host_bios_wanted={"nps": 1, "smt": "off"},
+        rtfleet_host_hugepages_per_node={0: 1024, 1: 512},
     )
     assert run.returncode == 0, _failure(run)
     assert len(plan["runtime_groups"]) == 22
     assert plan["kubelet"]["reservedSystemCPUs"]
+    # The command line: the plan's isolation, then the host-wide arguments for an AMD host.
+    assert args[: len(plan["kernel_args"])] == plan["kernel_args"]
+    assert {
+        "processor.max_cstate=1",
+        "amd_pstate=active",
+        "hugepages=0:1024,1:512",
+        "panic=10",
+    } <= set(args)
+    assert not [a for a in args if a.startswith("intel_idle")]
 
 
 def test_deceptive_vm_is_refused_with_evidence(trees, tmp_path):
-    run, plan = _run(tmp_path, trees("vmware-88"), rtfleet_host_allow_virtual=True)
+    run, plan, _ = _run(tmp_path, trees("vmware-88"), rtfleet_host_allow_virtual=True)
     assert run.returncode == 2 and plan is None
     name, msg = _failure(run)
     assert name.endswith("Refuse a virtual machine that hides its topology")
@@ -76,7 +90,7 @@ def test_deceptive_vm_is_refused_with_evidence(trees, tmp_path):
 
 
 def test_bad_policy_fails_before_anything_changes(trees, tmp_path):
-    run, _ = _run(tmp_path, trees("xeon-2s-smt"), rtfleet_host_policy={"housekeeping_cpus": "0"})
+    run, _, _ = _run(tmp_path, trees("xeon-2s-smt"), rtfleet_host_policy={"housekeeping_cpus": "0"})
     assert run.returncode == 2
     assert "splits the SMT core 0,80" in _failure(run)[1]
 
@@ -86,9 +100,28 @@ def test_bad_policy_fails_before_anything_changes(trees, tmp_path):
     [
         ({"rtfleet_host_kernel_flavour": "realtime"}, "rtfleet_host_kernel_flavour"),
         ({"rtfleet_host_bios_wanted": {"smt": "off"}}, "smt: wanted off, observed on"),
+        ({"rtfleet_host_cmdline_extra": ["nohz_full=2"]}, "conflicts with 'nohz_full="),
+        (
+            {"rtfleet_host_cmdline_extra": ["root=/dev/sdb1"]},
+            "belongs to the distribution's boot entry",
+        ),
+        ({"rtfleet_host_hugepages_per_node": {7: 16}}, "NUMA node 7 does not exist"),
+        ({"rtfleet_host_hugepages_per_node": 10**6}, "lower the count"),
+        (
+            {"rtfleet_host_sched_rt_runtime_us": 2000000},
+            "rtfleet_host_sched_rt_runtime_us must be -1",
+        ),
+        ({"rtfleet_host_irq_mode": "magic"}, "rtfleet_host_irq_mode"),
     ],
 )
 def test_bad_variables_and_bios_mismatch_are_refused(trees, tmp_path, role_vars, message):
-    run, _ = _run(tmp_path, trees("xeon-2s-smt"), **role_vars)
+    run, _, _ = _run(tmp_path, trees("xeon-2s-smt"), **role_vars)
     assert run.returncode == 2
     assert message in _failure(run)[1]
+
+
+def test_intel_host_gets_intel_idle_limit(trees, tmp_path):
+    run, _, args = _run(tmp_path, trees("xeon-2s-smt"), rtfleet_host_max_cstate=0)
+    assert run.returncode == 0, _failure(run)
+    assert {"intel_idle.max_cstate=0", "processor.max_cstate=1"} <= set(args)
+    assert not [a for a in args if a.startswith("amd_pstate")]
