@@ -647,3 +647,18 @@ def test_role_refuses_bad_input_before_anything_changes(trees, node, role_vars, 
     assert message in failed[0]["msg"]
     assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
     assert not (node / "kube/etc").exists()
+
+
+def test_role_rolls_back_checkpoints_and_file_when_a_step_fails(trees, node):
+    """The write fails after the checkpoints were removed (no such owner): the rescue must put
+    the checkpoints back, leave no new file and say what failed and what it restored."""
+    root = trees("epyc-7702p-nps4")
+    before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
+    run, report = _run_role(node, root, rtfleet_kubelet_config_owner="no-such-user-rtfleet")
+    assert run.returncode == 2
+    (failure,) = _task_results(report, "Fail with what happened and what was restored")
+    assert 'failed at "Write the kubelet configuration"' in failure["msg"]
+    assert "previous configuration and checkpoints were restored from" in failure["msg"]
+    assert "kubelet is not installed" in failure["msg"]
+    assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
+    assert not (node / "kube/etc/kubelet.conf.d/90-rtfleet.conf").exists()
