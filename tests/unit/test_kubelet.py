@@ -662,3 +662,18 @@ def test_role_rolls_back_checkpoints_and_file_when_a_step_fails(trees, node):
     assert "kubelet is not installed" in failure["msg"]
     assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
     assert not (node / "kube/etc/kubelet.conf.d/90-rtfleet.conf").exists()
+
+
+def test_role_merges_into_the_main_config_before_kubelet_1_30(trees, node):
+    root = trees("epyc-7702p-nps4")
+    main = node / "kube/var/config.yaml"
+    run, _ = _run_role(node, root, rtfleet_kubelet_version="1.29")
+    assert run.returncode == 0, run.stdout[-3000:]
+    config = yaml.safe_load(main.read_text())
+    assert config["cgroupDriver"] == "systemd" and config["cpuManagerPolicy"] == "static"
+    assert main.read_text().startswith("# Managed by rtfleet (role rtfleet_kubelet)")
+    assert not (node / "kube/etc").exists()
+    (backup,) = (node / "kube/backups").iterdir()
+    assert "cgroupDriver: systemd" in (backup / "config.yaml").read_text()
+    run, report = _run_role(node, root, rtfleet_kubelet_version="1.29")
+    assert run.returncode == 0 and _stats(report)["changed"] == 0
