@@ -26,7 +26,7 @@ MAIN_CONFIG = "/var/lib/kubelet/config.yaml"
 STATE_DIR = "/var/lib/kubelet"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def kubelet_config(host):
     """The configuration rtfleet_kubelet wrote: its drop-in, else the main config file."""
     candidates = (
