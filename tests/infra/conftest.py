@@ -1,6 +1,6 @@
 """testinfra suite for operators: point it at rolled-out nodes.
 
-    pytest tests/infra --hosts='ansible://inference_nodes' --ansible-inventory=inventory/prod
+    pytest tests/infra --sudo --hosts='ansible://inference_nodes' --ansible-inventory=inventory/prod
 
 Molecule's verify step runs the same files against the lab hosts. Every check compares the
 running host with the plan the host role applied, which it records in /etc/rtfleet/plan.json,
@@ -12,19 +12,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from rtfleet.topology import parse_cpulist  # noqa: F401  (re-exported for the test files)
+from rtfleet_infra import read_files
 
 PLAN_PATH = "/etc/rtfleet/plan.json"
 HOST_PATH = "/etc/rtfleet/host.json"
 
 
 def _read_json(host, path):
-    f = host.file(path)
-    if not f.exists:
+    content = read_files(host, PLAN_PATH, HOST_PATH)[path]
+    if content is None:
         name = host.backend.hostname
         pytest.fail("%s has no %s: the rtfleet_host role has not completed on it" % (name, path))
-    return json.loads(f.content_string)
+    return json.loads(content)
 
 
 @pytest.fixture

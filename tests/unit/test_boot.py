@@ -275,7 +275,7 @@ def _tune(root, config, *extra):
 
 
 def test_host_tune_checks_then_applies_then_has_nothing_left(tmp_path):
-    _irq_tree(tmp_path, {0: "0", 24: "0-7", 25: "2-3"})
+    _irq_tree(tmp_path, {0: "0", 4: "4", 24: "0-7", 25: "2-3"})
     config = {
         "housekeeping_cpus": "0,4",
         "irq_mode": "static",
@@ -323,3 +323,14 @@ def test_host_tune_leaves_irqs_to_irqbalance_and_reports_missing_cpufreq(tmp_pat
     )
     rc, err = _tune(tmp_path, {"irq_mode": "static"})
     assert rc == 2 and "housekeeping_cpus" in err
+
+
+def test_host_tune_check_trusts_the_last_run_about_unmovable_irqs(tmp_path):
+    # A managed (per-queue) IRQ refuses a new affinity; the last real run recorded that.
+    _irq_tree(tmp_path, {30: "5", 31: "1-3"})
+    (tmp_path / "state.json").write_text(
+        json.dumps({"changed": [], "skipped": [], "unmovable": [30]})
+    )
+    rc, check = _tune(tmp_path, {"housekeeping_cpus": "0,4", "irq_mode": "static"}, "--check")
+    assert rc == 0 and check["unmovable"] == [30]
+    assert check["changed"] == ["default_smp_affinity=11", "irq 31: 1-3 -> 0,4"]
