@@ -53,7 +53,12 @@ SSH_OPTIONS = (
     "-o", "LogLevel=ERROR",
     "-o", "IdentitiesOnly=yes",
 )  # fmt: skip
-SSH_COMMON_ARGS = "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+# ServerAlive*: a connection that was open across a guest reboot (slirp keeps it half-open)
+# dies in a minute instead of hanging the reboot module forever.
+SSH_COMMON_ARGS = (
+    "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+    " -o ServerAliveInterval=10 -o ServerAliveCountMax=6"
+)
 QEMU_BINARY = "qemu-system-x86_64"
 QEMU_INSTALL_HINT = "apt-get install qemu-system-x86 qemu-utils"
 
