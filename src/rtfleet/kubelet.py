@@ -24,6 +24,11 @@ import json
 import re
 from fractions import Fraction
 
+try:  # on a host, inside an Ansible module
+    from ansible.module_utils.rtfleet_topology import TopologyError, format_cpulist, parse_cpulist
+except ImportError:  # on the controller and in tests
+    from rtfleet.topology import TopologyError, format_cpulist, parse_cpulist
+
 API_VERSION = "kubelet.config.k8s.io/v1beta1"
 KIND = "KubeletConfiguration"
 
@@ -145,41 +150,18 @@ def parse_version(text):
 
 
 def parse_cpuset(text):
-    """Kubelet's cpuset syntax ("0-3,8"): sorted ints; ValueError when malformed."""
-    cpus = set()
+    """Kubelet's cpuset syntax ("0-3,8", no strides): sorted ints; ValueError when malformed."""
     text = str(text).strip()
-    if not text:
-        return []
-    for raw in text.split(","):
-        item = raw.strip()
-        if "-" in item:
-            low, _, high = item.partition("-")
-            if not low.isdigit() or not high.isdigit() or int(low) > int(high):
-                raise ValueError("invalid range %r" % item)
-            cpus.update(range(int(low), int(high) + 1))
-        elif item.isdigit():
-            cpus.add(int(item))
-        else:
-            raise ValueError("invalid CPU id %r" % item)
-    return sorted(cpus)
+    if ":" in text:
+        raise ValueError("%r has a ':' stride, which kubelet's cpuset syntax lacks" % text)
+    try:
+        return parse_cpulist(text)
+    except TopologyError as exc:
+        raise ValueError(str(exc)) from None
 
 
-def format_cpuset(cpus):
-    """[0, 1, 2, 8] -> "0-2,8"."""
-    cpus = sorted(set(cpus))
-    ranges = []
-    start = prev = None
-    for cpu in cpus:
-        if start is None:
-            start = prev = cpu
-        elif cpu == prev + 1:
-            prev = cpu
-        else:
-            ranges.append((start, prev))
-            start = prev = cpu
-    if start is not None:
-        ranges.append((start, prev))
-    return ",".join(str(a) if a == b else "%d-%d" % (a, b) for a, b in ranges)
+# [0, 1, 2, 8] -> "0-2,8": the same spelling kubelet uses.
+format_cpuset = format_cpulist
 
 
 def parse_quantity(value):
