@@ -15,7 +15,7 @@ DEMO_HOSTS ?= epyc1=epyc-2ccx vmware1=vmware-like
 
 help:
 	@echo "make demo   - bring up the QEMU lab and run site.yml against it"
-	@echo "make test   - lint, unit tests and the lab-smoke Molecule scenario (boots VMs)"
+	@echo "make test   - lint, unit tests and the Molecule scenarios (boot and reboot lab VMs)"
 	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
 
@@ -51,8 +51,10 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -m "not vm"
 
+# Scenarios that boot lab VMs; MOLECULE_SCENARIOS="host" runs one.
+MOLECULE_SCENARIOS ?= lab-smoke host kubelet
 molecule: setup deps
-	$(BIN)/molecule test -s lab-smoke
+	set -e; for s in $(MOLECULE_SCENARIOS); do $(BIN)/molecule test -s $$s; done
 
 test: lint unit molecule
 
