@@ -23,7 +23,8 @@ except ImportError:  # on the controller and in tests
 _NEVER_EXTRA = ("BOOT_IMAGE", "root", "initrd")
 _AMD = ("AuthenticAMD", "HygonGenuine")
 _INTEL = ("GenuineIntel",)
-_HUGEPAGE_KB = {"2M": 2048, "1G": 1048576}
+# Hugepage sizes the role reserves, in KiB (also the sysfs directory names hugepages-<kB>kB).
+HUGEPAGE_KB = {"2M": 2048, "1G": 1048576}
 # Leave at least this share of each node's memory outside the hugepage pool.
 HUGEPAGES_MAX_SHARE = 0.75
 
@@ -46,10 +47,10 @@ def _hugepage_args(topology, size, per_node):
         per_node = int(per_node)
     if not per_node:
         return []
-    if size not in _HUGEPAGE_KB:
+    if size not in HUGEPAGE_KB:
         raise BootConfigError(
             "hugepages size %r is not supported: use one of %s"
-            % (size, ", ".join(sorted(_HUGEPAGE_KB)))
+            % (size, ", ".join(sorted(HUGEPAGE_KB)))
         )
     nodes = {n["id"]: n for n in topology.get("numa_nodes") or []}
     if isinstance(per_node, dict):
@@ -78,7 +79,7 @@ def _hugepage_args(topology, size, per_node):
                 "hugepages per node: node %d count %r is not a whole number >= 0" % (node, count)
             )
         memory_kb = nodes[node].get("memory_kb") or 0
-        want_kb = count * _HUGEPAGE_KB[size]
+        want_kb = count * HUGEPAGE_KB[size]
         if memory_kb and want_kb > HUGEPAGES_MAX_SHARE * memory_kb:
             raise BootConfigError(
                 "hugepages: %d x %s on NUMA node %d is %d MiB, more than %d%% of the node's "

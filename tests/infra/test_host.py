@@ -13,6 +13,7 @@ import json
 from rtfleet_infra import read_files
 
 from rtfleet.boot import (
+    HUGEPAGE_KB,
     isolation_expected,
     kernel_entry,
     parse_grub_cfg,
@@ -93,7 +94,7 @@ def test_transparent_hugepages_off(host):
 
 def test_hugepages_per_node(host, rtfleet_plan, rtfleet_host_config):
     pages = rtfleet_host_config["hugepages"]
-    size_kb = {"2M": 2048, "1G": 1048576}[pages["size"]]
+    size_kb = HUGEPAGE_KB[pages["size"]]
     per_node = pages["per_node"]
     paths = {
         node["id"]: "/sys/devices/system/node/node%d/hugepages/hugepages-%dkB/nr_hugepages"
