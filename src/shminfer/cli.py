@@ -1,4 +1,4 @@
-"""shminfer: shared-memory inference runtime — serve, smoke, stats, bench, make-model."""
+"""shminfer: shared-memory inference runtime — serve, probe, smoke, stats, bench, make-model."""
 
 from __future__ import annotations
 
@@ -165,6 +165,34 @@ def cmd_smoke(args) -> int:
     return 0 if not failures else 1
 
 
+def cmd_probe(args) -> int:
+    """Health probe: every worker of the server is ready and answers one request."""
+    rng = np.random.default_rng(0)
+    started = time.monotonic()
+    with _connect(args) as client:
+        client.wait_ready(args.ready_timeout)
+        latencies = []
+        # The client hands requests to its lanes round-robin: one request per worker.
+        for _lane in client.lanes:
+            t0 = time.perf_counter_ns()
+            client.infer(_inputs_for(client.model, 1, rng))
+            latencies.append(round((time.perf_counter_ns() - t0) / 1e6, 3))
+        registry = read_registry(args.name)
+    print(
+        json.dumps(
+            {
+                "server": args.name,
+                "ready": True,
+                "pid": registry.get("pid"),
+                "worker_cpus": [worker["cpu"] for worker in registry["workers"]],
+                "latency_ms": latencies,
+                "probe_s": round(time.monotonic() - started, 3),
+            }
+        )
+    )
+    return 0
+
+
 def _print_smoke(result):
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
@@ -280,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--slow-wall-ms", type=float, default=200.0)
     smoke.add_argument("--format", choices=("table", "json"), default="table")
     smoke.set_defaults(func=cmd_smoke)
+
+    probe = sub.add_parser("probe", help="health probe: workers ready, one request each")
+    probe.add_argument("--name", required=True)
+    probe.add_argument("--timeout", type=float, default=5.0)
+    probe.add_argument("--ready-timeout", type=float, default=60.0)
+    probe.set_defaults(func=cmd_probe)
 
     stats = sub.add_parser("stats", help="percentiles from a running server's rings")
     stats.add_argument("--name", required=True)

@@ -419,6 +419,13 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
         result = json.loads(smoke.stdout)
         assert result["passed"] and result["errors"] == 0 and result["batches"] >= 300
         assert 0.8 < result["cpu_ratio"] < 1.25
+        probe = subprocess.run(
+            _cli("probe", "--name", name), capture_output=True, text=True, check=False, timeout=60
+        )
+        assert probe.returncode == 0, probe.stderr
+        answer = json.loads(probe.stdout)
+        assert answer["ready"] and answer["worker_cpus"] == [CPUS[-1]] and answer["pid"] > 0
+        assert len(answer["latency_ms"]) == 1
         # A gate that cannot pass fails the smoke test with a reason.
         strict = subprocess.run(
             _cli("smoke", "--name", name, "-n", "50", "--max-p99-ms", "0.000001"),
