@@ -1,10 +1,11 @@
 # -*- coding: utf-8 -*-
 # Copyright: rtfleet contributors
 # Apache-2.0
-"""Ansible filters that expose rtfleet's planner to playbooks.
+"""Ansible filters that expose rtfleet's planner and post-check gate to playbooks.
 
 The filters run on the controller and call the same ``rtfleet.planner`` as the CLI, so a
-role's kernel arguments, kubelet reserved set and unit pinning come from one computation.
+role's kernel arguments, kubelet reserved set and unit pinning come from one computation;
+likewise the post-check verdict comes from ``rtfleet.postcheck``, as ``rtfleet report``'s.
 """
 
 from __future__ import absolute_import, division, print_function
@@ -16,6 +17,7 @@ from ansible.errors import AnsibleFilterError
 try:
     from rtfleet.boot import BootConfigError, compose_kernel_args
     from rtfleet.planner import PlanError, plan_partition
+    from rtfleet.postcheck import PostcheckError, gate_host, parse_cyclictest
     from rtfleet.topology import format_cpulist, parse_cpulist
 
     _IMPORT_ERROR = None
@@ -63,6 +65,27 @@ def rtfleet_kernel_args(plan, topology, options=None):
         raise AnsibleFilterError("rtfleet kernel command line: %s" % exc) from None
 
 
+def rtfleet_cyclictest(doc):
+    """{{ cyclictest_json | rtfleet_cyclictest }} -> {"summary": {...}, "cpus": [...]}.
+
+    Takes the raw ``cyclictest --json`` document (dict or string).
+    """
+    _require()
+    try:
+        return parse_cyclictest(doc)
+    except PostcheckError as exc:
+        raise AnsibleFilterError("rtfleet cyclictest: %s" % exc) from None
+
+
+def rtfleet_postcheck_gate(result):
+    """{{ postcheck_result | rtfleet_postcheck_gate }} -> {"passed": bool, "failures": [...]}."""
+    _require()
+    try:
+        return gate_host(result)
+    except PostcheckError as exc:
+        raise AnsibleFilterError("rtfleet post-check gate: %s" % exc) from None
+
+
 class FilterModule(object):
     def filters(self):
         return {
@@ -70,4 +93,6 @@ class FilterModule(object):
             "rtfleet_cpulist": rtfleet_cpulist,
             "rtfleet_cpus": rtfleet_cpus,
             "rtfleet_kernel_args": rtfleet_kernel_args,
+            "rtfleet_cyclictest": rtfleet_cyclictest,
+            "rtfleet_postcheck_gate": rtfleet_postcheck_gate,
         }

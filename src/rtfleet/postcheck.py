@@ -1,0 +1,589 @@
+"""Post-check evaluation: read cyclictest output, gate a tuned host on it.
+
+Stdlib-only and Python >= 3.9, like :mod:`rtfleet.topology`: the Ansible filters
+(``rtfleet_cyclictest``, ``rtfleet_postcheck_gate``) call it on the controller and
+``rtfleet report`` calls it for the whole fleet, so a host's verdict comes from one
+computation.
+
+Per-host result file
+====================
+
+The post-check role writes one JSON file per host on the controller,
+``<results_dir>/<host>.json``. Schema 1::
+
+    {
+      "schema": 1,
+      "host": "epyc1",                      # inventory hostname
+      "kind": "tuned" | "baseline",         # baseline: captured on the old VM before migration
+      "collected_at": "2026-11-30T13:00:00Z",
+      "kernel": {"release": str, "realtime": bool, "cmdline": str},
+      "plan": {                             # {} for a baseline host
+        "housekeeping": "0,4",
+        "isolated": "1-3,5-7",
+        "runtime_groups": {"ccx0": "1-3", "ccx1": "5-7"}
+      },
+      "cyclictest": {                       # or null when no run was recorded
+        "json": {...},                      # the raw `cyclictest --json=FILE` document
+        "load": "hackbench ...",            # the background load during the run
+        "duration_s": 60,
+        "cpus": "1-3,5-7"                   # the -a cpulist
+      },
+      "smoke": [{...}],                     # `shminfer smoke --format json` per unit; may be []
+      "consistency": [{"check": str, "ok": bool, "detail": str}],
+      "thresholds": {                       # the limits this run was gated with
+        "cyclictest_max_us": 100,           # -> gate_cyclictest max_us
+        "cyclictest_p999_us": 50,           # optional -> p999_us
+        "cyclictest_min_cycles": 10000,     # optional -> min_cycles
+        "smoke_max_p99_ms": 5.0, ...        # informational: shminfer smoke gates itself
+      },
+      "gate": {"passed": bool, "failures": [str, ...]}   # gate_host(result), as the role saw it
+    }
+
+Required: ``schema``, ``host``, ``kind``; every other key may be missing and then reads
+as empty (``{}``, ``[]`` or ``null``). :func:`validate_result` says what is wrong.
+
+Cyclictest numbers
+==================
+
+cyclictest measures whole microseconds and, with ``--histogram=MAX_US``, counts each
+cycle's latency in bucket ``latency`` when ``latency < MAX_US`` and as an overflow
+otherwise (rt-tests ``cyclictest.c``: ``if (diff >= histogram) hist_overflow++``).
+Percentiles here are nearest-rank over all cycles, overflows included: the p-th
+percentile is the smallest latency L with at least ``ceil(p * cycles)`` cycles <= L. When
+that rank falls among the overflows the value is unknown but at least MAX_US, and the row
+says so (``p999_us: null, p999_beyond_histogram: true``) instead of inventing a number.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from rtfleet.topology import TopologyError, format_cpulist, parse_cpulist
+
+SCHEMA_VERSION = 1
+KINDS = ("tuned", "baseline")
+
+# Why these defaults (docs/report.md has the longer version):
+# - max_us 100: a tuned PREEMPT_RT x86 host under load keeps cyclictest's worst case in
+#   the tens of microseconds (rt-tests README shows 18-22 us against 39 ms on a non-RT
+#   kernel; OSADL's QA farm and Red Hat's RT tuning guide judge hosts on this same
+#   worst-case number), so 100 us is a conservative bar a tuned host should clear.
+# - min_cycles 10000: 10 s at the default 1 ms interval. Fewer, and p99.9 rests on under
+#   ten samples; the rt-tests README and Red Hat's guide both warn that short runs say
+#   little about the worst case.
+# - p999_us: off unless the inventory sets it; the worst case is the contract.
+DEFAULT_THRESHOLDS = {"max_us": 100, "p999_us": None, "min_cycles": 10000}
+
+# (name, numerator, denominator): integer ranks, no float rounding at the boundary.
+PERCENTILES = (("p99", 99, 100), ("p999", 999, 1000))
+
+# How many CPUs a failure message names before it says "and N more".
+_NAMED_CPUS = 8
+
+
+class PostcheckError(Exception):
+    """Malformed post-check input; the message says what to fix."""
+
+
+# --------------------------------------------------------------------------- cyclictest
+
+
+def _plain_keys(doc):
+    # rt-tests writes "cmdline:" and "rt_test_version:" with a trailing colon.
+    return {str(k).rstrip(":"): v for k, v in doc.items()}
+
+
+def _histogram_option(cmdline):
+    """(MAX_US or None, nsecs) from a cyclictest command line."""
+    try:
+        words = shlex.split(cmdline or "")
+    except ValueError:
+        words = (cmdline or "").split()
+    size = None
+    nsecs = False
+    for i, word in enumerate(words):
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        value = None
+        if word in ("--nsecs", "-N"):
+            nsecs = True
+        elif word.startswith(("--histogram=", "--histofall=")):
+            value = word.split("=", 1)[1]
+        elif word in ("--histogram", "--histofall", "-h", "-H"):
+            value = nxt
+        elif len(word) > 2 and word[:2] in ("-h", "-H") and word[2:].isdigit():
+            value = word[2:]
+        if value is not None and value.isdigit():
+            size = int(value)
+    return size, nsecs
+
+
+def _load_doc(doc):
+    if isinstance(doc, (bytes, bytearray)):
+        doc = doc.decode("utf-8", "replace")
+    if isinstance(doc, str):
+        if not doc.strip():
+            raise PostcheckError(
+                "the cyclictest JSON is empty: cyclictest did not finish (was it killed, or "
+                "was --json=FILE pointing somewhere else?)"
+            )
+        try:
+            doc = json.loads(doc)
+        except ValueError as exc:
+            raise PostcheckError(
+                "not valid JSON from cyclictest --json (%s): capture the whole file" % exc
+            ) from None
+    if not isinstance(doc, dict):
+        raise PostcheckError(
+            "expected the cyclictest --json document (a JSON object), got %s" % type(doc).__name__
+        )
+    return _plain_keys(doc)
+
+
+def _int(value, what):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise PostcheckError("%s is %r, expected a whole number" % (what, value)) from None
+
+
+def _percentile(buckets, total, hist_sum, num, den):
+    """Nearest-rank percentile from sorted [(latency, count)]: (value, beyond)."""
+    rank = -(-total * num // den)  # ceil(total * num / den) in integers
+    if rank > hist_sum:
+        return None, True
+    seen = 0
+    for latency, count in buckets:
+        seen += count
+        if seen >= rank:
+            return latency, False
+    return None, True  # unreachable: rank <= hist_sum
+
+
+def _thread_row(key, thread, hist_enabled):
+    what = "thread %s" % key
+    if not isinstance(thread, dict):
+        raise PostcheckError("%s is not an object in the cyclictest JSON" % what)
+    for field in ("cycles", "min", "max", "avg"):
+        if field not in thread:
+            raise PostcheckError(
+                "%s has no %r: this is not cyclictest --json output (rt-tests >= 2.0)"
+                % (what, field)
+            )
+    cycles = _int(thread["cycles"], what + " cycles")
+    if cycles <= 0:
+        raise PostcheckError(
+            "%s ran 0 cycles: cyclictest stopped before its first interval; run it longer "
+            "(--duration) and check that it could take its priority (--priority needs root)" % what
+        )
+    raw_hist = thread.get("histogram") or {}
+    if not isinstance(raw_hist, dict):
+        raise PostcheckError("%s histogram is not an object of {latency_us: count}" % what)
+    buckets = sorted(
+        (_int(k, what + " histogram bucket"), _int(v, what + " histogram count"))
+        for k, v in raw_hist.items()
+    )
+    buckets = [(latency, count) for latency, count in buckets if count > 0]
+    hist_sum = sum(count for _, count in buckets)
+    cpu = thread.get("cpu")
+    cpu = _int(cpu, what + " cpu") if cpu is not None else None
+    row = {
+        "thread": _int(key, "thread id"),
+        "cpu": cpu if cpu is not None and cpu >= 0 else None,  # -1: not pinned
+        "node": thread.get("node"),
+        "cycles": max(cycles, hist_sum),
+        "min_us": _int(thread["min"], what + " min"),
+        "avg_us": float(thread["avg"]),
+        "max_us": _int(thread["max"], what + " max"),
+        "histogram": [[latency, count] for latency, count in buckets] if hist_enabled else None,
+        "overflows": max(0, cycles - hist_sum) if hist_enabled else None,
+    }
+    for name, num, den in PERCENTILES:
+        if hist_enabled:
+            value, beyond = _percentile(buckets, row["cycles"], hist_sum, num, den)
+        else:
+            value, beyond = None, False
+        row[name + "_us"] = value
+        row[name + "_beyond_histogram"] = beyond
+    return row
+
+
+def _worst(rows, name):
+    """Worst percentile over rows: beyond-the-histogram beats any number."""
+    worst = None
+    for row in rows:
+        beyond = row[name + "_beyond_histogram"]
+        value = row[name + "_us"]
+        if beyond:
+            if worst is None or not worst[1]:
+                worst = (None, True, row["cpu"])
+        elif value is not None and (worst is None or (not worst[1] and value > worst[0])):
+            worst = (value, False, row["cpu"])
+    return worst or (None, False, None)
+
+
+def parse_cyclictest(doc):
+    """Per-CPU rows and a summary from a ``cyclictest --json`` document (dict or str).
+
+    Returns ``{"summary": {...}, "cpus": [row, ...]}``; a row has ``thread``, ``cpu``
+    (None when unpinned), ``node``, ``cycles``, ``min_us``, ``avg_us``, ``max_us``,
+    ``histogram`` (``[[latency_us, count], ...]`` or None without ``--histogram``),
+    ``overflows`` (cycles beyond the histogram), and ``p99_us``/``p999_us`` with
+    ``p99_beyond_histogram``/``p999_beyond_histogram`` (value None when beyond).
+    """
+    doc = _load_doc(doc)
+    if "thread" not in doc and "return_code" not in doc:
+        raise PostcheckError(
+            "no 'thread' or 'return_code' key: this is not cyclictest --json output "
+            "(keys: %s)" % ", ".join(sorted(doc)[:8])
+        )
+    return_code = doc.get("return_code", 0)
+    if return_code not in (0, None):
+        raise PostcheckError(
+            "cyclictest exited with return code %s: the run failed on the host (the "
+            "post-check log has its stderr); fix that and run the post-check again" % return_code
+        )
+    threads = doc.get("thread")
+    if not isinstance(threads, dict) or not threads:
+        raise PostcheckError(
+            "the cyclictest JSON has no measurement threads ('thread' is empty): run "
+            "cyclictest with --threads and -a <isolated cpus>"
+        )
+    cmdline = str(doc.get("cmdline") or "")
+    hist_size, nsecs = _histogram_option(cmdline)
+    if nsecs:
+        raise PostcheckError(
+            "cyclictest ran with --nsecs: its numbers are nanoseconds; run it without -N so "
+            "latencies and the histogram are in microseconds"
+        )
+    if cmdline:
+        hist_enabled = hist_size is not None
+    else:  # an older file without its command line: trust what the threads carry
+        hist_enabled = any(isinstance(t, dict) and t.get("histogram") for t in threads.values())
+    ids = sorted(_int(key, "thread id") for key in threads)
+    rows = [
+        _thread_row(i, threads[str(i)] if str(i) in threads else threads[i], hist_enabled)
+        for i in ids
+    ]
+    sysinfo = doc.get("sysinfo") if isinstance(doc.get("sysinfo"), dict) else {}
+    worst_max = max(rows, key=lambda r: r["max_us"])
+    summary = {
+        "version": doc.get("rt_test_version"),
+        "cmdline": cmdline,
+        "start_time": doc.get("start_time"),
+        "end_time": doc.get("end_time"),
+        "kernel_release": sysinfo.get("release"),
+        "realtime": bool(sysinfo.get("realtime")),
+        "threads": len(rows),
+        "cpus": format_cpulist(r["cpu"] for r in rows if r["cpu"] is not None),
+        "histogram_us": hist_size if hist_enabled else None,
+        "cycles": sum(r["cycles"] for r in rows),
+        "min_cycles": min(r["cycles"] for r in rows),
+        "overflows": sum(r["overflows"] for r in rows) if hist_enabled else None,
+        "max_us": worst_max["max_us"],
+        "max_cpu": worst_max["cpu"],
+    }
+    for name, _, _ in PERCENTILES:
+        value, beyond, cpu = _worst(rows, name)
+        summary[name + "_us"] = value
+        summary[name + "_beyond_histogram"] = beyond
+        summary[name + "_cpu"] = cpu
+    return {"summary": summary, "cpus": rows}
+
+
+def format_percentile(entry, name, histogram_us=None):
+    """ "42", "≥ 200" (beyond the histogram) or "n/a" for ``entry[name + '_us']``."""
+    if entry.get(name + "_beyond_histogram"):
+        size = histogram_us if histogram_us is not None else entry.get("histogram_us")
+        return "≥ %s" % size if size is not None else "beyond histogram"
+    value = entry.get(name + "_us")
+    return "n/a" if value is None else str(value)
+
+
+def _cpu_label(row):
+    return "CPU %d" % row["cpu"] if row["cpu"] is not None else "thread %d" % row["thread"]
+
+
+def _named(rows, value_text):
+    shown = ", ".join("%s %s" % (_cpu_label(r), value_text(r)) for r in rows[:_NAMED_CPUS])
+    if len(rows) > _NAMED_CPUS:
+        shown += " and %d more" % (len(rows) - _NAMED_CPUS)
+    return shown
+
+
+def _as_parsed(parsed):
+    if isinstance(parsed, dict) and "summary" in parsed and "cpus" in parsed:
+        return parsed
+    return parse_cyclictest(parsed)
+
+
+def _limits(thresholds):
+    thresholds = dict(thresholds or {})
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    if unknown:
+        raise PostcheckError(
+            "unknown cyclictest threshold(s) %s: known are %s"
+            % (", ".join(unknown), ", ".join(sorted(DEFAULT_THRESHOLDS)))
+        )
+    limits = dict(DEFAULT_THRESHOLDS)
+    limits.update(thresholds)
+    for key, value in limits.items():
+        limits[key] = _number(value, "cyclictest threshold " + key)
+    return limits
+
+
+def _number(value, what):
+    # Ansible templating can hand numbers over as strings ("100").
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    try:
+        return float(value) if "." in str(value) else int(value)
+    except (TypeError, ValueError):
+        raise PostcheckError("%s is %r, expected a number" % (what, value)) from None
+
+
+def gate_cyclictest(parsed, thresholds=None):
+    """Failure messages (empty when the run passes) for a :func:`parse_cyclictest` result.
+
+    ``parsed`` may also be the raw cyclictest document. ``thresholds``: ``max_us``
+    (default 100), ``p999_us`` (default off), ``min_cycles`` (default 10000); a None value
+    switches that check off. Each message names the value, the limit and the CPUs.
+    """
+    parsed = _as_parsed(parsed)
+    limits = _limits(thresholds)
+    rows = parsed["cpus"]
+    hist_us = parsed["summary"]["histogram_us"]
+    failures = []
+
+    min_cycles = limits["min_cycles"]
+    if min_cycles is not None:
+        short = sorted((r for r in rows if r["cycles"] < min_cycles), key=lambda r: r["cycles"])
+        if short:
+            failures.append(
+                "cyclictest ran only %d cycles on %s, fewer than the %s minimum (%d of %d CPUs "
+                "short: %s): run it longer (--duration) so the worst case means something"
+                % (
+                    short[0]["cycles"],
+                    _cpu_label(short[0]),
+                    _num(min_cycles),
+                    len(short),
+                    len(rows),
+                    _named(short, lambda r: "%d" % r["cycles"]),
+                )
+            )
+
+    max_us = limits["max_us"]
+    if max_us is not None:
+        over = sorted((r for r in rows if r["max_us"] > max_us), key=lambda r: -r["max_us"])
+        if over:
+            failures.append(
+                "cyclictest max latency %d µs on %s exceeds the %s µs limit (%d of %d CPUs "
+                "over: %s)"
+                % (
+                    over[0]["max_us"],
+                    _cpu_label(over[0]),
+                    _num(max_us),
+                    len(over),
+                    len(rows),
+                    _named(over, lambda r: "%d µs" % r["max_us"]),
+                )
+            )
+
+    p999_limit = limits["p999_us"]
+    if p999_limit is not None:
+        if hist_us is None:
+            failures.append(
+                "cyclictest ran without --histogram, so p99.9 cannot be checked against the "
+                "%s µs limit: add --histogram=<µs above the limit>" % _num(p999_limit)
+            )
+        else:
+            # Beyond the histogram means >= hist_us: over the limit for sure only when
+            # hist_us > limit; otherwise the run cannot tell, which fails too.
+            over = [
+                r
+                for r in rows
+                if (r["p999_beyond_histogram"] and hist_us > p999_limit)
+                or (r["p999_us"] is not None and r["p999_us"] > p999_limit)
+            ]
+            unknown = [r for r in rows if r["p999_beyond_histogram"] and hist_us <= p999_limit]
+            over.sort(key=lambda r: -(r["p999_us"] if r["p999_us"] is not None else hist_us))
+            if over:
+                failures.append(
+                    "cyclictest p99.9 latency %s µs on %s exceeds the %s µs limit (%d of %d CPUs "
+                    "over: %s)"
+                    % (
+                        format_percentile(over[0], "p999", hist_us),
+                        _cpu_label(over[0]),
+                        _num(p999_limit),
+                        len(over),
+                        len(rows),
+                        _named(over, lambda r: format_percentile(r, "p999", hist_us) + " µs"),
+                    )
+                )
+            if unknown:
+                failures.append(
+                    "cyclictest p99.9 on %s lies beyond the %d µs histogram, so the %s µs "
+                    "limit cannot be checked: rerun with --histogram above the limit"
+                    % (
+                        _named(unknown, lambda r: "(%d overflows)" % r["overflows"]),
+                        hist_us,
+                        _num(p999_limit),
+                    )
+                )
+    return failures
+
+
+def _num(value):
+    return "%g" % value
+
+
+# --------------------------------------------------------------------------- host result
+
+
+def _fail(source, message):
+    raise PostcheckError("%s: %s" % (source, message))
+
+
+def validate_result(result, source="<result>"):
+    """A copy of a per-host result with optional keys filled in; PostcheckError if malformed."""
+    if not isinstance(result, dict):
+        _fail(source, "a post-check result is a JSON object, got %s" % type(result).__name__)
+    schema = result.get("schema")
+    if schema != SCHEMA_VERSION:
+        _fail(
+            source,
+            "schema %r is not supported: this rtfleet reads schema %d (run the post-check role "
+            "of the same rtfleet version)" % (schema, SCHEMA_VERSION),
+        )
+    host = result.get("host")
+    if not isinstance(host, str) or not host.strip():
+        _fail(source, "'host' must be the inventory hostname (a non-empty string)")
+    if result.get("kind") not in KINDS:
+        _fail(source, "'kind' is %r, expected one of %s" % (result.get("kind"), ", ".join(KINDS)))
+    out = dict(result)
+    for key, empty, kind in (
+        ("kernel", {}, dict),
+        ("plan", {}, dict),
+        ("smoke", [], list),
+        ("consistency", [], list),
+        ("thresholds", {}, dict),
+    ):
+        value = out.get(key)
+        if value is None:
+            out[key] = type(empty)()
+        elif not isinstance(value, kind):
+            _fail(source, "%r must be a %s, got %s" % (key, kind.__name__, type(value).__name__))
+    out.setdefault("collected_at", None)
+    out.setdefault("gate", None)
+    cyclictest = out.get("cyclictest")
+    if cyclictest is not None and (not isinstance(cyclictest, dict) or "json" not in cyclictest):
+        _fail(source, "'cyclictest' must be null or an object with the raw document under 'json'")
+    out["cyclictest"] = cyclictest
+    for i, entry in enumerate(out["smoke"]):
+        if not isinstance(entry, dict) or "server" not in entry:
+            _fail(
+                source, "smoke[%d] is not `shminfer smoke --format json` output (no 'server')" % i
+            )
+        if not isinstance(entry.get("failures", []), list):
+            _fail(source, "smoke[%d].failures must be a list of strings" % i)
+    for i, entry in enumerate(out["consistency"]):
+        if not isinstance(entry, dict) or "check" not in entry or "ok" not in entry:
+            _fail(source, "consistency[%d] needs 'check' and 'ok'" % i)
+    for key, value in out["thresholds"].items():
+        if value is not None and not isinstance(value, (int, float, str, bool)):
+            _fail(source, "threshold %r is %r, expected a number" % (key, value))
+    return out
+
+
+def load_result(path):
+    """Read and validate one ``<host>.json`` result file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as exc:
+        raise PostcheckError("%s: cannot read the result (%s)" % (path, exc.strerror)) from None
+    except ValueError as exc:
+        raise PostcheckError("%s: not valid JSON (%s)" % (path, exc)) from None
+    return validate_result(data, str(path))
+
+
+def cyclictest_thresholds(thresholds):
+    """The ``cyclictest_*`` keys of a host's thresholds, as :func:`gate_cyclictest` keys."""
+    prefix = "cyclictest_"
+    return {
+        key[len(prefix) :]: value
+        for key, value in (thresholds or {}).items()
+        if key.startswith(prefix) and key[len(prefix) :] in DEFAULT_THRESHOLDS
+    }
+
+
+def _coverage(parsed, wanted):
+    """A failure when cyclictest measured other CPUs than the post-check asked for."""
+    if not wanted:
+        return []
+    try:
+        wanted_cpus = parse_cpulist(str(wanted), "cyclictest.cpus")
+    except TopologyError as exc:
+        raise PostcheckError(str(exc)) from None
+    measured = sorted({r["cpu"] for r in parsed["cpus"] if r["cpu"] is not None})
+    if measured == wanted_cpus:
+        return []
+    missing = format_cpulist(set(wanted_cpus) - set(measured))
+    return [
+        "cyclictest measured CPUs %s but the post-check asked for %s%s: pass -a <cpus> with "
+        "--threads so every isolated CPU gets a measuring thread"
+        % (
+            format_cpulist(measured) or "(none pinned)",
+            format_cpulist(wanted_cpus),
+            " (not measured: %s)" % missing if missing else "",
+        )
+    ]
+
+
+def gate_host(result):
+    """``{"passed": bool, "failures": [...]}`` for one per-host result.
+
+    Combines :func:`gate_cyclictest` (limits from the ``cyclictest_*`` thresholds), each
+    smoke entry's own ``failures`` (shminfer smoke already gated them) and the failed
+    consistency checks. A tuned host without a cyclictest run fails; a baseline may lack one.
+    """
+    source = result.get("host") if isinstance(result, dict) else None
+    result = validate_result(result, str(source or "<result>"))
+    failures = []
+    cyclictest = result["cyclictest"]
+    if cyclictest is None:
+        if result["kind"] == "tuned":
+            failures.append("no cyclictest run recorded: the post-check must measure a tuned host")
+    else:
+        try:
+            parsed = parse_cyclictest(cyclictest["json"])
+            failures.extend(_coverage(parsed, cyclictest.get("cpus")))
+            failures.extend(gate_cyclictest(parsed, cyclictest_thresholds(result["thresholds"])))
+        except PostcheckError as exc:
+            failures.append("cyclictest: %s" % exc)
+    for entry in result["smoke"]:
+        name = entry.get("server", "?")
+        own = [str(f) for f in entry.get("failures") or []]
+        failures.extend("smoke %s: %s" % (name, f) for f in own)
+        if entry.get("passed") is False and not own:
+            failures.append("smoke %s: failed without a recorded reason" % name)
+    for check in result["consistency"]:
+        if not check.get("ok"):
+            detail = check.get("detail") or "failed"
+            failures.append("consistency %s: %s" % (check.get("check"), detail))
+    return {"passed": not failures, "failures": failures}
+
+
+__all__ = [
+    "DEFAULT_THRESHOLDS",
+    "KINDS",
+    "SCHEMA_VERSION",
+    "PostcheckError",
+    "cyclictest_thresholds",
+    "format_percentile",
+    "gate_cyclictest",
+    "gate_host",
+    "load_result",
+    "parse_cyclictest",
+    "validate_result",
+]
