@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
 from rtfleet import __version__, lab
 from rtfleet.checklist import ChecklistError, evaluate
 from rtfleet.planner import PlanError, plan_partition
+from rtfleet.postcheck import PostcheckError
 from rtfleet.render import render_checklist_table, render_plan_table, render_topology_table
+from rtfleet.report import ReportError, build_report, host_summary, render_fleet_table
 from rtfleet.topology import TopologyError, read_topology
 
 
@@ -67,6 +70,30 @@ def cmd_checklist(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    fleet = build_report(args.results, args.out)
+    files = {
+        key: [str(Path(args.out) / p) for p in value]
+        if isinstance(value, list)
+        else str(Path(args.out) / value)
+        for key, value in fleet["files"].items()
+    }
+    if args.format == "json":
+        summary = {
+            "passed": fleet["verdict"]["passed"],
+            "verdict": fleet["verdict"],
+            "files": files,
+            "hosts": [
+                {**host_summary(h), "failures": h["gate"]["failures"]} for h in fleet["hosts"]
+            ],
+        }
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+    else:
+        render_fleet_table(fleet)
+        print(f"report: {files['html']} (also {files['markdown']}, {files['json']})")
+    return 0 if fleet["verdict"]["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtfleet", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rtfleet {__version__}")
@@ -91,6 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     check.set_defaults(func=cmd_checklist)
 
+    report = sub.add_parser(
+        "report",
+        help="fleet report from post-check results: fleet.json, report.md/.html, plots",
+        description=(
+            "Read every <host>.json the post-check wrote, gate each tuned host and write the "
+            "report. Exit 0 when every tuned host passed, 1 when one failed (or none is "
+            "tuned), 2 on unreadable input."
+        ),
+    )
+    report.add_argument(
+        "--results",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="directory of per-host results; repeat to add baseline results kept elsewhere",
+    )
+    report.add_argument("--out", required=True, metavar="DIR", help="where the report goes")
+    report.add_argument("--format", choices=("text", "json"), default="text")
+    report.set_defaults(func=cmd_report)
+
     lab.add_parser(sub)
     return parser
 
@@ -99,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (TopologyError, PlanError) as exc:
+    except (TopologyError, PlanError, PostcheckError, ReportError) as exc:
         print(f"rtfleet: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -1,0 +1,261 @@
+"""The fleet report: files, plots, tables, before/after, verdict and CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import pytest
+from postcheck_results import host_result, smoke_entry, write_results
+
+from rtfleet import cli
+from rtfleet.report import ReportError, build_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _fleet(tmp_path, *, baseline=True, failing=False):
+    """Two tuned hosts (one failing when asked) and optionally one baseline VM."""
+    epyc2_smoke = [smoke_entry("resnet"), smoke_entry("bert", deschedule_ms=0.2)]
+    if failing:
+        epyc2_smoke[1] = smoke_entry(
+            "bert", deschedule_ms=0.2, failures=["latency p99 7.100 ms > 5.0 ms"]
+        )
+    results = [
+        host_result("epyc1"),
+        host_result("epyc2", cyclictest="hist200-overflow", smoke=epyc2_smoke),
+    ]
+    if baseline:
+        results.append(
+            host_result(
+                "vm1",
+                kind="baseline",
+                cyclictest="hist200-histfile",
+                smoke=[
+                    smoke_entry(
+                        "resnet",
+                        latency_ms=(2.0, 9.0, 20.0, 40.0),
+                        deschedule_ms=1.5,
+                        thread_share=0.5,
+                    )
+                ],
+            )
+        )
+    return write_results(tmp_path / "results", results)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One full report (with a baseline), built once: plotting is the slow part."""
+    base = tmp_path_factory.mktemp("report")
+    out = base / "out"
+    fleet = build_report(_fleet(base, failing=True), out)
+    return fleet, out
+
+
+def test_report_writes_every_file(report):
+    fleet, out = report
+    for name in ("fleet.json", "report.md", "report.html"):
+        assert (out / name).stat().st_size > 0
+    plots = sorted(p.name for p in (out / "plots").iterdir())
+    assert plots == sorted(
+        [
+            "epyc1-cpu-max.png",
+            "epyc1-latency-histogram.png",
+            "epyc1-smoke-latency.png",
+            "epyc2-cpu-max.png",
+            "epyc2-latency-histogram.png",
+            "epyc2-smoke-latency.png",
+            "vm1-baseline-cpu-max.png",
+            "vm1-baseline-latency-histogram.png",
+            "vm1-baseline-smoke-latency.png",
+        ]
+    )
+    assert sorted(p.split("/")[1] for p in fleet["files"]["plots"]) == plots
+    for name in plots:
+        width, height = _png_size(out / "plots" / name)
+        assert width >= 400 and height >= 300
+
+
+def test_fleet_json_has_hosts_verdict_and_parsed_cyclictest(report):
+    _, out = report
+    fleet = json.loads((out / "fleet.json").read_text())
+    assert [(h["host"], h["kind"]) for h in fleet["hosts"]] == [
+        ("epyc1", "tuned"),
+        ("epyc2", "tuned"),
+        ("vm1", "baseline"),
+    ]
+    assert fleet["verdict"] == {
+        "passed": False,
+        "reason": "1 of 2 tuned host(s) failed: epyc2",
+        "tuned": 2,
+        "baseline": 1,
+        "failed_hosts": ["epyc2"],
+    }
+    epyc2 = fleet["hosts"][1]
+    assert epyc2["gate"]["failures"] == ["smoke bert: latency p99 7.100 ms > 5.0 ms"]
+    summary = epyc2["cyclictest"]["summary"]
+    assert summary["max_us"] == 2906 and summary["p999_beyond_histogram"]
+    assert "json" not in epyc2["cyclictest"]  # parsed, not the raw document again
+    assert epyc2["plots"]["cpu_max"] == "plots/epyc2-cpu-max.png"
+
+
+def test_html_is_self_contained_with_the_tables(report):
+    _, out = report
+    page = (out / "report.html").read_text()
+    for table in ("fleet", "before-after", "cpus", "smoke", "consistency"):
+        assert f'<table class="{table}">' in page
+    assert "<td>epyc2</td><td>tuned</td><td>6.18.44-fc-v782</td><td>2906</td><td>≥ 200</td>" in page
+    assert '<span class="fail">FAIL</span>' in page
+    assert '<img src="plots/epyc1-latency-histogram.png"' in page
+    assert "smoke bert: latency p99 7.100 ms &gt; 5.0 ms" in page
+    lowered = page.lower()
+    assert "<script" not in lowered and "<link" not in lowered and "http" not in lowered
+
+
+def test_markdown_has_tables_failures_and_images(report):
+    _, out = report
+    text = (out / "report.md").read_text()
+    assert "**Fleet: FAILED** (1 of 2 tuned host(s) failed: epyc2)" in text
+    assert "| epyc1 | tuned | 6.18.44-fc-v782 | 2218 | 1170 | 1/1 passed | PASS |" in text
+    assert "| 0 | 0 | 3000 | 6 | 28.75 | 876 | 114 | ≥ 200 | 16 |" in text  # epyc2 CPU 0
+    assert "  - smoke bert: latency p99 7.100 ms > 5.0 ms" in text
+    assert "![epyc2 max latency per CPU](plots/epyc2-cpu-max.png)" in text
+
+
+def test_before_after_rows_take_the_worst_host_of_each_kind(report):
+    fleet, out = report
+    rows = {r["metric"]: r for r in fleet["before_after"]}
+    ct_max = rows["cyclictest max"]
+    assert ct_max["baseline"] == {"value": 2850, "beyond": False, "host": "vm1"}
+    assert ct_max["tuned"] == {"value": 2906, "beyond": False, "host": "epyc2"}
+    assert ct_max["ratio"] == pytest.approx(2906 / 2850)
+    # The baseline's p99.9 is only a bound (>= 200 us): no ratio from a bound.
+    p999 = rows["cyclictest p99.9"]
+    assert p999["baseline"]["beyond"] and p999["baseline"]["value"] == 200
+    assert p999["tuned"] == {"value": 1170, "beyond": False, "host": "epyc1"}
+    assert p999["ratio"] is None
+    assert rows["smoke round trip p99"]["ratio"] == pytest.approx(0.9 / 9.0)
+    assert rows["deschedule p99.9"]["tuned"]["host"] == "epyc2"
+    assert rows["deschedule p99.9"]["baseline"]["value"] == pytest.approx(1.5)
+    assert rows["process/thread CPU ratio"]["baseline"]["value"] == pytest.approx(2.0)
+    text = (out / "report.md").read_text()
+    assert "| smoke round trip p99 (ms) | 9.000 (vm1) | 0.900 (epyc1) | 0.1 |" in text
+    assert "| cyclictest p99.9 (µs) | ≥ 200 (vm1) | 1170 (epyc1) | n/a |" in text
+
+
+def test_no_before_after_without_a_baseline(tmp_path):
+    fleet = build_report(_fleet(tmp_path, baseline=False), tmp_path / "out", plots=False)
+    assert fleet["before_after"] is None
+    assert fleet["verdict"]["passed"]
+    assert "Before and after" not in (tmp_path / "out" / "report.md").read_text()
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "Before and after" not in page and 'class="before-after"' not in page
+    assert not (tmp_path / "out" / "plots").exists()
+
+
+def test_only_baselines_is_not_a_passing_fleet(tmp_path):
+    results = write_results(tmp_path / "r", [host_result("vm1", kind="baseline")])
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert not fleet["verdict"]["passed"]
+    assert fleet["verdict"]["reason"].startswith("no tuned host")
+    assert fleet["before_after"] is None
+
+
+def test_baseline_results_from_a_second_directory(tmp_path):
+    tuned = write_results(tmp_path / "tuned", [host_result("epyc1")])
+    baseline = write_results(tmp_path / "before", [host_result("vm1", kind="baseline")])
+    fleet = build_report([tuned, baseline], tmp_path / "out", plots=False)
+    assert [h["host"] for h in fleet["hosts"]] == ["epyc1", "vm1"]
+    assert fleet["before_after"] is not None
+
+
+def test_edited_gate_in_a_result_file_is_flagged(tmp_path):
+    result = host_result("epyc1", cyclictest="hist200-overflow")
+    result["gate"] = {"passed": True, "failures": []}
+    result["thresholds"] = {"cyclictest_max_us": 100}
+    fleet = build_report(write_results(tmp_path / "r", [result]), tmp_path / "out", plots=False)
+    host = fleet["hosts"][0]
+    assert not host["gate"]["passed"] and host["gate_recorded_differs"]
+    assert "differs from this evaluation" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_rerun_into_the_results_directory_skips_its_own_fleet_json(tmp_path):
+    results = write_results(tmp_path / "r", [host_result("epyc1")])
+    build_report(results, results, plots=False)
+    fleet = build_report(results, results, plots=False)
+    assert [h["host"] for h in fleet["hosts"]] == ["epyc1"]
+
+
+def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    results = write_results(tmp_path / "r", [host_result("epyc1")])
+    with pytest.raises(ReportError, match=r"pip install 'rtfleet\[report\]'.*make setup"):
+        build_report(results, tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_exit_0_when_every_tuned_host_passed(tmp_path, capsys):
+    results = write_results(tmp_path / "r", [host_result("epyc1")])
+    code = cli.main(["report", "--results", str(results), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "epyc1" in out and "PASS" in out and "fleet PASSED" in out
+    assert f"report: {tmp_path / 'out' / 'report.html'}" in out
+    assert (tmp_path / "out" / "plots" / "epyc1-cpu-max.png").is_file()
+
+
+def test_cli_exit_1_when_a_host_failed_and_json_lists_why(tmp_path, capsys):
+    results = _fleet(tmp_path, baseline=False, failing=True)
+    argv = ["report", "--results", str(results), "--out", str(tmp_path / "out")]
+    code = cli.main([*argv, "--format", "json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert summary["passed"] is False
+    assert summary["verdict"]["failed_hosts"] == ["epyc2"]
+    epyc2 = next(h for h in summary["hosts"] if h["host"] == "epyc2")
+    assert epyc2["verdict"] == "FAIL"
+    assert epyc2["failures"] == ["smoke bert: latency p99 7.100 ms > 5.0 ms"]
+    assert summary["files"]["html"] == str(tmp_path / "out" / "report.html")
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: d.mkdir(), "no post-check results (*.json)"),
+        (lambda d: None, "not a directory of post-check results"),
+        (
+            lambda d: (d.mkdir(), (d / "epyc1.json").write_text("{not json")),
+            "epyc1.json: not valid JSON",
+        ),
+        (
+            lambda d: (d.mkdir(), (d / "epyc1.json").write_text('{"schema": 1, "host": "x"}')),
+            "'kind' is None",
+        ),
+        (
+            lambda d: (
+                write_results(d, [host_result("epyc1")])
+                and (d / "copy.json").write_text(json.dumps(host_result("epyc1")))
+            ),
+            "both hold the tuned result of epyc1",
+        ),
+    ],
+)
+def test_cli_exit_2_on_bad_input(tmp_path, capsys, setup, message):
+    results = tmp_path / "r"
+    setup(results)
+    code = cli.main(["report", "--results", str(results), "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rtfleet: error: ") and message in err
