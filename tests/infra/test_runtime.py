@@ -1,0 +1,146 @@
+"""After rollout: one healthy shminfer unit per runtime group, pinned and NUMA-bound as planned.
+
+Read back from the running processes, not from the unit files: every process in a unit's
+cgroup may run only on its group's CPUs (/proc/PID/status Cpus_allowed_list), each worker
+on exactly one of them; its memory policy is bind to the group's node and its own memory
+(heap, stacks, its queues in /dev/shm) sits on that node (/proc/PID/numa_maps); and it
+holds CAP_SYS_NICE and nothing else.
+Each unit answers `shminfer probe`. Run with --sudo (numa_maps of another user's process).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from rtfleet_infra import read_files
+
+from rtfleet.topology import parse_cpulist
+
+SHMINFER = "/opt/shminfer/venv/bin/shminfer"
+MODELS = "/var/lib/shminfer/models"
+CAP_SYS_NICE = 1 << 23
+# \036 starts a process, \037 separates its status from its numa_maps.
+_PROCS = (
+    "cg=$(systemctl show --property=ControlGroup --value %s); "
+    'for pid in $(cat "/sys/fs/cgroup${cg}/cgroup.procs"); do '
+    "printf '\\036%%s\\037' $pid; cat /proc/$pid/status; printf '\\037'; "
+    "cat /proc/$pid/numa_maps; done"
+)
+
+
+def _groups(plan):
+    groups = plan.get("runtime_groups") or []
+    if not groups:
+        pytest.fail("the plan has no runtime group: rtfleet_runtime has nothing to run")
+    return groups
+
+
+def _processes(host, unit):
+    """[{pid, status: {field: value}, numa_maps: [lines]}] for every process of the unit."""
+    out = host.run(_PROCS % unit).stdout
+    procs = []
+    for chunk in out.split("\036")[1:]:
+        pid, status, maps = [*chunk.split("\037"), "", ""][:3]
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        procs.append(
+            {"pid": int(pid), "status": fields, "numa_maps": [m for m in maps.splitlines() if m]}
+        )
+    return procs
+
+
+def test_one_active_enabled_unit_per_runtime_group(host, rtfleet_plan):
+    wanted = {"shminfer@%s.service" % g["name"] for g in _groups(rtfleet_plan)}
+    for unit in sorted(wanted):
+        service = host.service(unit)
+        assert service.is_running, "%s is not running" % unit
+        assert service.is_enabled, "%s is not enabled" % unit
+    listed = host.run(
+        "systemctl list-units --all --plain --no-legend --state=active 'shminfer@*'"
+    ).stdout.split()
+    extra = {u for u in listed if u.startswith("shminfer@")} - wanted
+    assert not extra, "units not in the plan are still active: %s" % sorted(extra)
+
+
+def test_unit_processes_run_on_their_group_cpus_only(host, rtfleet_plan):
+    for group in _groups(rtfleet_plan):
+        unit = "shminfer@%s.service" % group["name"]
+        procs = _processes(host, unit)
+        assert procs, "%s has no processes" % unit
+        allowed = {p["pid"]: set(parse_cpulist(p["status"]["Cpus_allowed_list"])) for p in procs}
+        outside = {pid: sorted(cpus) for pid, cpus in allowed.items() if cpus - set(group["cpus"])}
+        assert not outside, "%s: processes allowed outside %s: %s" % (
+            unit,
+            group["cpulist"],
+            outside,
+        )
+        # shminfer pins one worker per CPU: every worker CPU has a process pinned to it alone.
+        pinned = {min(cpus) for cpus in allowed.values() if len(cpus) == 1}
+        assert pinned >= set(group["worker_cpus"]), "%s: workers pinned to %s, plan %s" % (
+            unit,
+            sorted(pinned),
+            group["worker_cpus"],
+        )
+
+
+def test_unit_memory_is_bound_to_its_node(host, rtfleet_plan):
+    for group in _groups(rtfleet_plan):
+        unit = "shminfer@%s.service" % group["name"]
+        node = group["numa_node"]
+        for proc in _processes(host, unit):
+            # Mappings that hold pages; a library may give an empty reservation its own policy.
+            policies = {m.split()[1] for m in proc["numa_maps"] if re.search(r" N\d+=", m)}
+            assert policies == {"bind:%d" % node}, "%s pid %d: memory policies %s, plan bind:%d" % (
+                unit,
+                proc["pid"],
+                sorted(policies),
+                node,
+            )
+            # Memory the process allocated itself: anonymous mappings (heap, stacks, arenas)
+            # and its own queues in /dev/shm. Shared libraries' page cache may have been
+            # read in by another unit, on another node, first.
+            own = "file=/dev/shm/shminfer.%s." % group["name"]
+            elsewhere = {
+                n
+                for m in proc["numa_maps"]
+                if "file=" not in m or own in m
+                for n in re.findall(r" N(\d+)=", m)
+                if int(n) != node
+            }
+            assert not elsewhere, "%s pid %d: own memory on nodes %s, plan %d" % (
+                unit,
+                proc["pid"],
+                sorted(elsewhere),
+                node,
+            )
+
+
+def test_unit_holds_cap_sys_nice_and_nothing_else(host, rtfleet_plan):
+    for group in _groups(rtfleet_plan):
+        unit = "shminfer@%s.service" % group["name"]
+        for proc in _processes(host, unit):
+            status = proc["status"]
+            assert int(status["CapEff"], 16) == CAP_SYS_NICE, "%s pid %d CapEff %s" % (
+                unit,
+                proc["pid"],
+                status["CapEff"],
+            )
+            assert int(status["CapBnd"], 16) == CAP_SYS_NICE
+            assert status["NoNewPrivs"].strip() == "1"
+            assert status["Uid"].split()[0] != "0", "%s runs as root" % unit
+
+
+def test_units_answer_their_probe(host, rtfleet_plan):
+    for group in _groups(rtfleet_plan):
+        probe = host.run("%s probe --name %s --ready-timeout 60", SHMINFER, group["name"])
+        assert probe.rc == 0, "shminfer@%s probe: %s" % (group["name"], probe.stderr)
+        answer = json.loads(probe.stdout)
+        assert answer["ready"] and answer["worker_cpus"] == group["worker_cpus"]
+
+
+def test_model_files_match_their_checksums(host):
+    files = read_files(host, MODELS + "/SHA256SUMS")
+    assert files[MODELS + "/SHA256SUMS"], "no %s/SHA256SUMS" % MODELS
+    check = host.run("cd %s && sha256sum --check --strict SHA256SUMS", MODELS)
+    assert check.rc == 0, check.stdout + check.stderr
