@@ -49,7 +49,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-unit: setup
+unit: setup deps
 	$(BIN)/pytest -m "not vm"
 
 # Scenarios that boot lab VMs; `make molecule MOLECULE_SCENARIOS=kubelet` runs another set.

@@ -3,7 +3,8 @@
 # only those that are missing. Debian/Ubuntu only; run as root or with sudo available.
 set -euo pipefail
 
-packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux openssh-client)
+# rt-tests: the post-check runner test (tests/unit/test_postcheck_runner.py) runs cyclictest here.
+packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux openssh-client rt-tests)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
