@@ -57,8 +57,13 @@ unit: setup deps
 # trial boot into the RT kernel included. lab-smoke, host (idempotence, check mode, a bad
 # trial boot) and kubelet take 10-60 min each on 2 cores under TCG: `make molecule-all`.
 MOLECULE_SCENARIOS ?= site
+# Each scenario's log is kept in $(LOGDIR); on a failure, what failed is printed last.
+LOGDIR ?= .logs
 molecule: setup deps
-	set -e; for s in $(MOLECULE_SCENARIOS); do $(BIN)/molecule test -s $$s; done
+	mkdir -p $(LOGDIR)
+	set -eo pipefail; for s in $(MOLECULE_SCENARIOS); do \
+	  $(BIN)/molecule test -s $$s 2>&1 | tee $(LOGDIR)/molecule-$$s.log \
+	    || { .ci/excerpt $(LOGDIR)/molecule-$$s.log; exit 1; }; done
 
 molecule-all:
 	$(MAKE) molecule MOLECULE_SCENARIOS="lab-smoke host kubelet site"

@@ -38,8 +38,8 @@ def trees():
 REPO = TESTS.parent
 
 
-def run_local_playbook(path: Path, **env) -> subprocess.CompletedProcess:
-    """ansible-playbook PATH against localhost with this repo's ansible.cfg and Python."""
+def run_local_playbook(path: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    """ansible-playbook PATH [ARGS] against localhost with this repo's ansible.cfg and Python."""
     return subprocess.run(
         [
             str(Path(sys.executable).parent / "ansible-playbook"),
@@ -50,6 +50,7 @@ def run_local_playbook(path: Path, **env) -> subprocess.CompletedProcess:
             "-e",
             f"ansible_python_interpreter={sys.executable}",
             str(path),
+            *args,
         ],
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ import struct
 import sys
 
 import pytest
+from conftest import REPO, run_local_playbook
 from postcheck_results import host_result, smoke_entry, write_results
 
 from rtfleet import cli
@@ -259,3 +260,27 @@ def test_cli_exit_2_on_bad_input(tmp_path, capsys, setup, message):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("rtfleet: error: ") and message in err
+
+
+@pytest.mark.parametrize("how", ["env", "extra-var"])
+def test_report_playbook_writes_below_the_one_report_dir(tmp_path, how):
+    """playbooks/report.yml (the postcheck role's `report` entry point) reads
+    <dir>/results and writes the report into <dir>, for $RTFLEET_REPORT_DIR and for
+    rtfleet_report_dir alike; a failed host's gate does not fail the step."""
+    write_results(
+        tmp_path / "results",
+        [
+            host_result("epyc1"),
+            host_result(
+                "epyc2", smoke=[smoke_entry("bert", failures=["latency p99 7.1 ms > 5.0 ms"])]
+            ),
+        ],
+    )
+    env = {"RTFLEET_REPORT_DIR": str(tmp_path)} if how == "env" else {}
+    extra = ["-e", f"rtfleet_report_dir={tmp_path}"] if how == "extra-var" else []
+    run = run_local_playbook(REPO / "playbooks" / "report.yml", *extra, **env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    fleet = json.loads((tmp_path / "fleet.json").read_text())
+    assert not fleet["verdict"]["passed"]
+    assert (tmp_path / "report.html").exists()
+    assert "epyc2" in run.stdout
