@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from rtfleet import __version__, lab
+from rtfleet.bundle import BundleError, write_bundle
 from rtfleet.checklist import ChecklistError, evaluate
 from rtfleet.planner import PlanError, plan_partition
 from rtfleet.postcheck import PostcheckError
@@ -94,6 +95,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0 if fleet["verdict"]["passed"] else 1
 
 
+def cmd_bundle(args: argparse.Namespace) -> int:
+    result = write_bundle(args.out, args.members)
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtfleet", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rtfleet {__version__}")
@@ -138,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--format", choices=("text", "json"), default="text")
     report.set_defaults(func=cmd_report)
 
+    bundle = sub.add_parser(
+        "bundle",
+        help="reproducible tar of wheels/models with a SHA256SUMS per directory",
+        description=(
+            "Write OUT (an uncompressed tar) from DIR/NAME=PATH members, sorted, with a fixed "
+            "mtime and root ownership, plus DIR/SHA256SUMS for each DIR; OUT is left alone "
+            "when it already holds the same bytes. Prints JSON with 'changed'."
+        ),
+    )
+    bundle.add_argument("--out", required=True, metavar="OUT")
+    bundle.add_argument("members", nargs="+", metavar="DIR/NAME=PATH")
+    bundle.set_defaults(func=cmd_bundle)
+
     lab.add_parser(sub)
     return parser
 
@@ -146,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (TopologyError, PlanError, PostcheckError, ReportError) as exc:
+    except (TopologyError, PlanError, PostcheckError, ReportError, BundleError) as exc:
         print(f"rtfleet: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:

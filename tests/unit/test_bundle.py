@@ -1,0 +1,122 @@
+"""rtfleet bundle: same members, same bytes; real tar and sha256sum accept what it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from rtfleet import cli
+from rtfleet.bundle import BundleError, write_bundle
+
+
+@pytest.fixture
+def sources(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b-1.0-py3-none-any.whl").write_bytes(os.urandom(70_000))
+    (src / "a-2.0-py3-none-any.whl").write_bytes(b"wheel a")
+    (src / "mlp.xml").write_text("<net/>")
+    (src / "mlp.bin").write_bytes(bytes(range(256)) * 40)
+    return src
+
+
+def _specs(src, *names):
+    where = {"whl": "wheels"}
+    return [f"{where.get(n.rsplit('.', 1)[1], 'models')}={src / n}" for n in names]
+
+
+ALL = ("b-1.0-py3-none-any.whl", "a-2.0-py3-none-any.whl", "mlp.xml", "mlp.bin")
+
+
+def test_same_members_give_the_same_bytes_and_no_change(tmp_path, sources):
+    out = tmp_path / "out" / "bundle.tar"
+    first = write_bundle(out, _specs(sources, *ALL))
+    before = out.read_bytes()
+    stat = out.stat()
+    # other order, files touched: still the same bundle
+    for path in sources.iterdir():
+        os.utime(path, (1e9, 1e9))
+    second = write_bundle(out, _specs(sources, *reversed(ALL)))
+    assert first["changed"] and not second["changed"]
+    assert first["sha256"] == second["sha256"]
+    assert out.read_bytes() == before
+    assert out.stat().st_ino == stat.st_ino, "an unchanged bundle must not be rewritten"
+    assert not [p for p in out.parent.iterdir() if p.name != "bundle.tar"], "temp file left"
+
+
+def test_a_changed_member_changes_the_bundle(tmp_path, sources):
+    out = tmp_path / "bundle.tar"
+    first = write_bundle(out, _specs(sources, *ALL))
+    renamed = write_bundle(out, [*_specs(sources, *ALL[1:]), f"wheels/c.whl={sources / ALL[0]}"])
+    assert renamed["changed"]
+    first = write_bundle(out, _specs(sources, *ALL))
+    (sources / "mlp.bin").write_bytes(b"other weights")
+    second = write_bundle(out, _specs(sources, *ALL))
+    assert second["changed"] and second["sha256"] != first["sha256"]
+
+
+def test_gnu_tar_and_sha256sum_accept_it(tmp_path, sources):
+    out = tmp_path / "bundle.tar"
+    write_bundle(out, _specs(sources, *ALL))
+    dest = tmp_path / "x"
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "--no-same-owner", "-f", str(out), "-C", str(dest)], check=True)
+    assert sorted(p.name for p in (dest / "wheels").iterdir()) == [
+        "SHA256SUMS",
+        "a-2.0-py3-none-any.whl",
+        "b-1.0-py3-none-any.whl",
+    ]
+    for directory in ("wheels", "models"):
+        subprocess.run(
+            ["sha256sum", "--check", "--strict", "--quiet", "SHA256SUMS"],
+            cwd=dest / directory,
+            check=True,
+        )
+    # a corrupted file is caught by the node's check
+    (dest / "models" / "mlp.bin").write_bytes(b"corrupt")
+    bad = subprocess.run(
+        ["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=dest / "models", check=False
+    )
+    assert bad.returncode != 0
+
+
+def test_members_are_root_owned_with_a_fixed_mtime(tmp_path, sources):
+    out = tmp_path / "bundle.tar"
+    write_bundle(out, _specs(sources, *ALL))
+    with tarfile.open(out) as tar:
+        infos = tar.getmembers()
+    assert [i.name for i in infos][:2] == ["models", "models/mlp.bin"]
+    assert {(i.uid, i.gid, i.mtime) for i in infos} == {(0, 0, 315532800)}
+    assert {i.mode for i in infos if i.isfile()} == {0o644}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("=/etc/hostname", "DIR/NAME=PATH"),
+        ("wheels/x.whl", "DIR/NAME=PATH"),
+        ("a/b/c=/etc/hostname", "DIR/NAME=PATH"),
+        ("../x=/etc/hostname", "DIR/NAME=PATH"),
+        ("wheels/x.whl=/nonexistent", "is not a file"),
+        ("models/SHA256SUMS=/etc/hostname", "written by the bundle itself"),
+    ],
+)
+def test_bad_member_specs_are_refused_and_nothing_is_written(tmp_path, spec, message):
+    """DIR=PATH takes PATH's name; anything else must be DIR/NAME=PATH, one level deep."""
+    out = tmp_path / "bundle.tar"
+    with pytest.raises(BundleError, match=message):
+        write_bundle(out, [spec])
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_prints_json_and_exits_2_on_bad_input(tmp_path, sources, capsys):
+    out = tmp_path / "bundle.tar"
+    assert cli.main(["bundle", "--out", str(out), *_specs(sources, *ALL)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["changed"] and result["members"] == 4
+    assert cli.main(["bundle", "--out", str(out), "wheels/x.whl=/nonexistent"]) == 2
+    assert "is not a file" in capsys.readouterr().err
