@@ -49,8 +49,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# One pytest worker per CPU, a test file per worker (module fixtures are built once).
 unit: setup deps
-	$(BIN)/pytest -m "not vm"
+	$(BIN)/pytest -m "not vm" -n auto --dist loadfile
 
 # Scenarios that boot lab VMs; `make molecule MOLECULE_SCENARIOS=kubelet` runs another set.
 # CI runs `site`: the whole flow (site.yml) on an EPYC-like and a VMware-like host, the
