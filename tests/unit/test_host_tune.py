@@ -66,9 +66,9 @@ def _run_tuner(root, config, *extra):
     cfg = root / "tune.json"
     cfg.write_text(json.dumps(config))
     env = {**os.environ, "RTFLEET_LIB": str(REPO / "plugins/module_utils")}
+    argv = [sys.executable, str(TUNE), "--config", str(cfg), "--root", str(root)]
     return subprocess.run(
-        [sys.executable, str(TUNE), "--config", str(cfg), "--root", str(root)]
-        + ["--state", str(root / "state.json"), *extra],
+        [*argv, "--state", str(root / "state.json"), *extra],
         capture_output=True,
         text=True,
         env=env,
