@@ -86,6 +86,27 @@ class BurnBackend(EchoBackend):
         return super().infer(inputs)
 
 
+class SleepBackend(EchoBackend):
+    """Copies its inputs first, then sleeps ``--model MS`` of wall time (no CPU), then echoes
+    the copy: a slow or hung engine for fault drills (``--model 1e9`` never answers)."""
+
+    name = "sleep"
+
+    def load(self, model=None, threads=1):
+        try:
+            self._sleep_s = float(model or 1.0) / 1e3
+        except ValueError:
+            raise BackendError(
+                f"the sleep backend takes --model MILLISECONDS, got {model!r}"
+            ) from None
+        self._width = 4096
+
+    def infer(self, inputs):
+        copied = {name: np.array(value) for name, value in inputs.items()}
+        time.sleep(self._sleep_s)
+        return {name: np.array(value) for name, value in super().infer(copied).items()}
+
+
 class NumpyMLPBackend(Backend):
     """Reference backend: a dense MLP (ReLU) whose weights are an .npz file.
 
@@ -188,7 +209,9 @@ class OpenVINOBackend(Backend):
         return {n: self._request.get_tensor(n).data.copy() for n in self._outputs}
 
 
-BACKENDS = {b.name: b for b in (EchoBackend, BurnBackend, NumpyMLPBackend, OpenVINOBackend)}
+BACKENDS = {
+    b.name: b for b in (EchoBackend, BurnBackend, SleepBackend, NumpyMLPBackend, OpenVINOBackend)
+}
 
 
 def make_backend(name: str) -> Backend:

@@ -46,6 +46,8 @@ class _Lane:
 
     def __init__(self, segment, slots):
         self.seg = segment
+        self.generation = dict(slots)  # slot -> lease generation
+        slots = [index for index, _ in slots]
         self.free = list(slots)
         self.leased = list(slots)
         self.abandoned = []
@@ -155,7 +157,9 @@ class Client:
             words[slot] = FREE
             lane.free.append(slot)
             raise
-        seq = next(self._seq)
+        # The request tag: the slot's lease generation and a per-client counter. The worker
+        # echoes it with the answer; an answer under another tag is someone else's.
+        seq = (lane.generation[slot] << 32) | (next(self._seq) & 0xFFFFFFFF)
         seg.slot_set(slot, "request_len", length)
         seg.slot_set(slot, "seq", seq)
         seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
@@ -204,6 +208,14 @@ class Client:
                 f"(slot state {seg.state_words[slot]}); the slot is reclaimed when it ends"
             )
         length = seg.slot_get(slot, "response_len")
+        answered = seg.slot_get(slot, "response_seq")
+        if answered != pending.seq:
+            seg.state_words[slot] = FREE
+            lane.free.append(slot)
+            raise InferenceError(
+                f"request {pending.seq:#x} to {seg.path}: the response in its slot answers "
+                f"another request ({answered:#x}); refused"
+            )
         if state == ERROR:
             message = bytes(lane.responses[slot][:length]).decode("utf-8", "replace")
             seg.state_words[slot] = FREE

@@ -80,7 +80,8 @@ _S = {
     "enqueue_ns": (40, "<Q"),
     "start_ns": (48, "<Q"),
     "done_ns": (56, "<Q"),
-    "generation": (64, "<I"),
+    "generation": (64, "<I"),  # lease generation: bumped each time the slot is leased
+    "response_seq": (72, "<Q"),  # the seq of the request this response answers
 }
 
 _READY_WORD = struct.pack("<I", READY)
@@ -326,44 +327,55 @@ class Segment:
 
     # ------------------------------------------------------------ leases
 
-    def _orphaned(self, index):
-        """The slot has an owner that is gone, and no request of its is in flight."""
-        owner = int(self.owners[index])
-        if not owner or _sys.alive(owner, self.slot_get(index, "owner_start")):
+    def _leasable(self, index):
+        """Nobody holds the slot and no request of a former holder is in flight.
+
+        A slot whose client left (closed, timed out, died) while its request is READY or
+        PROCESSING belongs to the worker until answered: leasing it then would hand the
+        departed client's answer to the next one.
+        """
+        if int(self.states[index]) in (READY, PROCESSING):
             return False
-        # A dead client's request still READY/PROCESSING belongs to the worker until answered.
-        return int(self.states[index]) not in (READY, PROCESSING)
+        owner = int(self.owners[index])
+        return not owner or not _sys.alive(owner, self.slot_get(index, "owner_start"))
 
     def lease_slots(self, count, pid, start_time):
-        """Lease up to ``count`` free or orphaned slots to a client process (under flock)."""
+        """Lease up to ``count`` free slots to a client process (under flock).
+
+        Returns ``[(index, generation)]``; the generation goes into every request tag.
+        """
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             leased = []
             for index in range(self.slot_count):
                 if len(leased) == count:
                     break
-                if int(self.owners[index]) and not self._orphaned(index):
+                if not self._leasable(index):
                     continue
+                generation = (self.slot_get(index, "generation") + 1) & 0xFFFFFFFF
+                self.slot_set(index, "generation", generation)
                 self.slot_set(index, "owner_start", start_time)
                 self.slot_set(index, "owner_pid", pid)
                 self.states[index] = FREE
-                leased.append(index)
+                leased.append((index, generation))
             return leased
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def reclaim_orphaned(self):
-        """Free the slots of dead clients (under the same flock as leasing)."""
+        """Free the slots of departed clients whose last request has ended (under flock)."""
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
-            for index in np.flatnonzero(self.owners).tolist():
-                if self._orphaned(index):
+            for index in range(self.slot_count):
+                idle = int(self.states[index]) == FREE and not int(self.owners[index])
+                if not idle and self._leasable(index):
                     self.states[index] = FREE
                     self.slot_set(index, "owner_pid", 0)
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def release_slots(self, indices, pid):
+        """Give slots back; one with a request in flight stays busy until answered."""
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             for index in indices:
@@ -404,6 +416,7 @@ def fail_inflight(segment, message, states=(PROCESSING,)):
         response = segment.response_view(index)
         response[: len(raw)] = raw
         segment.slot_set(index, "response_len", len(raw))
+        segment.slot_set(index, "response_seq", segment.slot_get(index, "seq"))
         segment.states[index] = ERROR
         _sys.futex_wake(segment.state_addr(index))
         failed += 1

@@ -165,6 +165,7 @@ class Worker:
         self.encoder = Encoder()
         self.requests = [segment.request_view(i) for i in range(segment.slot_count)]
         self.responses = [segment.response_view(i) for i in range(segment.slot_count)]
+        self.tags = [0] * segment.slot_count
 
     # ------------------------------------------------------------ waiting
 
@@ -202,8 +203,11 @@ class Worker:
             ready = [i for _, i in sorted((seg.slot_get(i, "seq"), i) for i in ready)]
         claimed = ready[: self.max_batch]
         words = seg.state_words
+        tags = self.tags
         for index in claimed:
             words[index] = PROCESSING
+            # The request's tag, read once it is ours: every answer carries it back.
+            tags[index] = seg.slot_get(index, "seq")
         return claimed
 
     # ------------------------------------------------------------ serving
@@ -220,6 +224,7 @@ class Worker:
         raw = message.encode()[: self.seg.response_bytes]
         self.responses[index][: len(raw)] = raw
         self.seg.slot_set(index, "response_len", len(raw))
+        self.seg.slot_set(index, "response_seq", self.tags[index])
         self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
@@ -295,6 +300,7 @@ class Worker:
                 continue
             oldest = min(oldest, seg.slot_get(index, "enqueue_ns"))
             seg.slot_set(index, "response_len", length)
+            seg.slot_set(index, "response_seq", self.tags[index])
             seg.slot_set(index, "batch_size", total_rows)
             seg.slot_set(index, "done_ns", done_ns)
             answered.append(index)
