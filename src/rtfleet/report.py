@@ -18,12 +18,16 @@ the "before" column of the before/after table.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import html
 import json
 import os
 import re
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from rtfleet.postcheck import (
@@ -345,7 +349,8 @@ def write_plots(hosts, plots_dir):
             jobs.append(("smoke_latency", "smoke-latency", _plot_smoke))
         for key, suffix, plot in jobs:
             path = plots_dir / ("%s-%s.png" % (base, suffix))
-            plot(figure, entry, path)
+            with _replacing(path) as tmp:
+                plot(figure, entry, tmp)
             entry["plots"][key] = "%s/%s" % (plots_dir.name, path.name)
             written.append(path)
     return written
@@ -782,6 +787,50 @@ def render_fleet_table(fleet, console=None):
 # --------------------------------------------------------------------------- entry point
 
 
+@contextlib.contextmanager
+def _replacing(path):
+    """Yield a temporary path beside ``path``; it replaces ``path`` only when complete, so a
+    reader (or a browser) never sees half a file."""
+    # matplotlib picks the format from the suffix; nothing else may look like a result file
+    suffix = ".png" if path.suffix == ".png" else ".part"
+    fd, tmp = tempfile.mkstemp(prefix=".%s." % path.name, suffix=suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _report_lock(out_dir, timeout_s=300.0):
+    """One writer of a report directory at a time: several failing hosts of a batch (the
+    rollout's rescue path) or two playbooks may build the report at once."""
+    with open(out_dir / ".report.lock", "a") as fh:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ReportError(
+                        "%s is locked by another report writer for %ds" % (out_dir, timeout_s)
+                    ) from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_text(path, text):
+    with _replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
 def build_report(results_dir, out_dir, plots=True):
     """Read every per-host result, write fleet.json, report.md, report.html and plots/.
 
@@ -791,21 +840,22 @@ def build_report(results_dir, out_dir, plots=True):
     """
     out_dir = Path(out_dir)
     fleet_json = out_dir / "fleet.json"
-    results = load_results(results_dir, skip=[fleet_json])
-    fleet = evaluate_fleet(results)
-    dirs = [results_dir] if isinstance(results_dir, (str, os.PathLike)) else list(results_dir)
-    fleet["results"] = [str(d) for d in dirs]
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = write_plots(fleet["hosts"], out_dir / "plots") if plots else []
-    fleet["files"] = {
-        "json": "fleet.json",
-        "markdown": "report.md",
-        "html": "report.html",
-        "plots": ["plots/%s" % p.name for p in written],
-    }
-    (out_dir / "report.md").write_text(render_markdown(fleet), encoding="utf-8")
-    (out_dir / "report.html").write_text(render_html(fleet), encoding="utf-8")
-    fleet_json.write_text(json.dumps(fleet, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    with _report_lock(out_dir):
+        results = load_results(results_dir, skip=[fleet_json])
+        fleet = evaluate_fleet(results)
+        dirs = [results_dir] if isinstance(results_dir, (str, os.PathLike)) else list(results_dir)
+        fleet["results"] = [str(d) for d in dirs]
+        written = write_plots(fleet["hosts"], out_dir / "plots") if plots else []
+        fleet["files"] = {
+            "json": "fleet.json",
+            "markdown": "report.md",
+            "html": "report.html",
+            "plots": ["plots/%s" % p.name for p in written],
+        }
+        _write_text(out_dir / "report.md", render_markdown(fleet))
+        _write_text(out_dir / "report.html", render_html(fleet))
+        _write_text(fleet_json, json.dumps(fleet, indent=2, ensure_ascii=False) + "\n")
     return fleet
 
 

@@ -284,3 +284,45 @@ def test_report_playbook_writes_below_the_one_report_dir(tmp_path, how):
     assert not fleet["verdict"]["passed"]
     assert (tmp_path / "report.html").exists()
     assert "epyc2" in run.stdout
+
+
+def test_concurrent_writers_leave_one_complete_report(tmp_path):
+    """Several failing hosts of a batch write the report at once (the rollout's rescue path):
+    every file stays whole and fleet.json, report.md and the plots come from one run."""
+    import subprocess
+
+    results = _fleet(tmp_path)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "rtfleet.cli", "report", "--results", str(results)]
+    procs = [
+        subprocess.Popen([*argv, "--out", str(out)], stdout=subprocess.DEVNULL) for _ in range(4)
+    ]
+    # A reader (the operator's browser, the next playbook) never sees half a file.
+    partial = []
+    while any(p.poll() is None for p in procs):
+        for name in ("fleet.json", "report.html"):
+            try:
+                text = (out / name).read_text()
+            except FileNotFoundError:
+                continue
+            if not (text.endswith("}\n") if name.endswith("json") else "</html>" in text):
+                partial.append((name, len(text)))
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0]
+    assert partial == []
+    fleet = json.loads((out / "fleet.json").read_text())
+    assert sorted(h["host"] for h in fleet["hosts"]) == ["epyc1", "epyc2", "vm1"]
+    for rel in fleet["files"]["plots"]:
+        _png_size(out / rel)
+    assert (out / "report.html").read_text().rstrip().endswith("</html>")
+    leftovers = [p.name for p in out.rglob(".*") if p.name != ".report.lock"]
+    assert leftovers == []
+
+
+def test_rescue_path_writes_the_report_once_per_batch():
+    """The rollout's rescue builds the report on the controller once, not once per host."""
+    import yaml
+
+    play = yaml.safe_load((REPO / "playbooks/rollout.yml").read_text())[-1]
+    rescue = play["tasks"][0]["rescue"]
+    report = next(t for t in rescue if t.get("ansible.builtin.include_role", {}).get("tasks_from"))
+    assert report.get("run_once") is True
