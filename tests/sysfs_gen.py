@@ -438,15 +438,19 @@ def build_tree(shape: dict | str, root: Path) -> Path:
 
     no_cache = set(shape.get("no_cache_cpus", []))
     has_nodes = not shape.get("no_node_dir", False)
+    offline_nodes = _offline_nodes(shape)
     for r in recs:
         d = f"{cpu}/cpu{r['cpu']}"
         if arm or r["cpu"] != 0:  # x86 can't offline the boot CPU: no cpu0/online
             w.put(f"{d}/online", "1\n" if r["online"] else "0\n")
         if has_nodes:
-            w.link(f"{d}/node{r['node']}", f"../../node/node{r['node']}")
-            w.link(
-                f"sys/devices/system/node/node{r['node']}/cpu{r['cpu']}", f"../../cpu/cpu{r['cpu']}"
-            )
+            if shape.get("memoryless_cpu_links", True) or r["node"] not in offline_nodes:
+                w.link(f"{d}/node{r['node']}", f"../../node/node{r['node']}")
+            if r["node"] not in offline_nodes:  # an offline node has no nodeN/ at all
+                w.link(
+                    f"sys/devices/system/node/node{r['node']}/cpu{r['cpu']}",
+                    f"../../cpu/cpu{r['cpu']}",
+                )
         if not r["online"]:
             continue
         thr = groups["core_key", r["core_key"]]
@@ -503,32 +507,62 @@ def build_tree(shape: dict | str, root: Path) -> Path:
     return root
 
 
+def _offline_nodes(shape: dict) -> set[int]:
+    """Memoryless nodes the kernel leaves offline (no nodeN/, not in node/online)."""
+    if shape.get("memoryless_style", "offline") != "offline":
+        return set()
+    return set(shape.get("memoryless_nodes", []))
+
+
 def _write_nodes(w: _Writer, shape: dict, recs, groups, nbits: int) -> None:
+    """node/ as drivers/base/node.c writes it.
+
+    ``memoryless_nodes`` have CPUs but no memory: with ``memoryless_style`` "offline" (what
+    a two-socket Xeon with an empty socket 0 showed) the node is absent from node/online
+    and has no nodeN/ directory while cpuN/nodeN links still name it (unless
+    ``memoryless_cpu_links`` is false); with "online" nodeN/ exists with MemTotal 0 and
+    has_memory leaves it out. ``cpuless_nodes`` (a list of ``{mem_kb, distance}``) are
+    memory-only nodes (CXL Type 3 expanders) numbered after the CPU nodes.
+    """
     numa = shape.get("numa", {})
-    nodes = sorted({r["node"] for r in recs})
+    cpu_nodes = sorted({r["node"] for r in recs})
     node_pkg = {r["node"]: r["pkg"] for r in recs}
+    memoryless = set(shape.get("memoryless_nodes", []))
+    offline = _offline_nodes(shape)
+    cxl = {cpu_nodes[-1] + 1 + i: spec for i, spec in enumerate(shape.get("cpuless_nodes", []))}
+    possible = cpu_nodes + sorted(cxl)
+    online = [n for n in possible if n not in offline]
     base = "sys/devices/system/node"
-    allnodes = cpulist(nodes) + "\n"
-    for name in ("online", "possible", "has_memory", "has_normal_memory"):
-        w.put(f"{base}/{name}", allnodes)
-    w.put(f"{base}/has_cpu", cpulist(n for n in nodes if groups.get(("node", n))) + "\n")
-    for n in nodes:
+    w.put(f"{base}/possible", cpulist(possible) + "\n")
+    w.put(f"{base}/online", cpulist(online) + "\n")
+    with_memory = cpulist(n for n in online if n not in memoryless) + "\n"
+    w.put(f"{base}/has_memory", with_memory)
+    w.put(f"{base}/has_normal_memory", with_memory)
+    w.put(f"{base}/has_cpu", cpulist(n for n in online if groups.get(("node", n))) + "\n")
+
+    def distance(n: int, m: int) -> int:
+        if m == n:
+            return 10
+        if n in cxl or m in cxl:
+            return (cxl.get(n) or cxl.get(m)).get("distance", 60)
+        return numa.get("near", 12) if node_pkg[m] == node_pkg[n] else numa.get("far", 32)
+
+    for n in online:
         cpus = groups.get(("node", n), set())
         d = f"{base}/node{n}"
         w.put(f"{d}/cpumap", cpumask(cpus, nbits) + "\n")
         if shape.get("node_cpulist", True):
             w.put(f"{d}/cpulist", cpulist(cpus) + "\n")
-        dist = [
-            10
-            if m == n
-            else numa.get("near", 12)
-            if node_pkg[m] == node_pkg[n]
-            else numa.get("far", 32)
-            for m in nodes
-        ]
-        w.put(f"{d}/distance", " ".join(map(str, dist)) + "\n")
-        hp = numa.get("hugepages_2m_per_node", 0)
-        w.put(f"{d}/meminfo", _meminfo(n, numa.get("mem_kb_per_node", 65843892), hp))
+        w.put(f"{d}/distance", " ".join(str(distance(n, m)) for m in online) + "\n")
+        hp = 0 if n in memoryless else numa.get("hugepages_2m_per_node", 0)
+        mem_kb = (
+            0
+            if n in memoryless
+            else cxl[n]["mem_kb"]
+            if n in cxl
+            else numa.get("mem_kb_per_node", 65843892)
+        )
+        w.put(f"{d}/meminfo", _meminfo(n, mem_kb, hp))
         for size, nr in (("2048kB", hp), ("1048576kB", 0)):
             for f in ("nr_hugepages", "free_hugepages", "surplus_hugepages"):
                 w.put(

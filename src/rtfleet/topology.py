@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 SCHEMA_VERSION = 1
 
@@ -48,32 +49,96 @@ class TopologyError(Exception):
 # --------------------------------------------------------------------------- cpulists
 
 
-def parse_cpulist(text, path="<cpulist>"):
-    """Parse a kernel cpulist ("0-3,8,10-15:2") into a sorted list of ints."""
-    text = _clean(text)
+# The largest CPU id accepted anywhere: Linux's NR_CPUS tops out at 8192 (x86 MAXSMP, ppc64,
+# arm64 4096), so 65536 leaves room and still bounds what a hostile "0-99999999" can cost.
+MAX_CPUS = 65536
+# What is read from any one sysfs/procfs file; a real file of interest is far smaller.
+MAX_READ_BYTES = 1 << 20
+_NUMBER = re.compile(r"^[0-9]+$")  # ASCII digits only (str.isdigit() also takes "\u00b2")
+_INTEGER = re.compile(r"^-?[0-9]{1,19}$")
+
+
+def _shown(text, limit=40):
+    """repr() of text, cut to ``limit`` characters so an error stays one short line."""
+    if len(text) <= limit:
+        return repr(text)
+    return "%r... (%d characters)" % (text[:limit], len(text))
+
+
+def _cpu_id(token, path, text):
+    if not _NUMBER.match(token):
+        return None
+    if len(token) > len(str(MAX_CPUS)) or int(token) >= MAX_CPUS:
+        raise TopologyError(
+            path,
+            "CPU id %s in cpulist %s is above the %d-CPU limit"
+            % (_shown(token, 12), _shown(text), MAX_CPUS),
+        )
+    return int(token)
+
+
+def parse_cpulist(text, path="<cpulist>", strict=False):
+    """Parse a kernel cpulist ("0-3,8,10-15:2", "0-63:2/8") into a sorted list of ints.
+
+    CPU ids are capped at :data:`MAX_CPUS`. ``strict=True`` is kubelet's cpuset syntax
+    (k8s.io/utils/cpuset Parse): "" is the empty set, otherwise comma-separated ``N`` or
+    ``N-M`` items with no spaces, no empty items, no strides, no NUL or newline.
+    """
+    text = str(text)
+    if strict:
+        if text == "":
+            return []
+        bad = [c for c in (" ", "\t", "\n", "\x00", ":", "/") if c in text]
+        if bad:
+            raise TopologyError(
+                path,
+                "%s holds %s, which kubelet's cpuset syntax does not allow" % (_shown(text), bad),
+            )
+    else:
+        text = _clean(text)
+        if not text or text == "(null)":
+            return []
     cpus = set()
-    if not text or text == "(null)":
-        return []
     for item in text.split(","):
-        part, _, step = item.strip().partition(":")
+        part, _, step = (item if strict else item.strip()).partition(":")
         if not part:
+            if strict:
+                raise TopologyError(
+                    path, '%s has an empty item (kubelet refuses "0-3,")' % _shown(text)
+                )
             continue
-        stride = 1
+        stride, used = 1, None
         if step:
-            # "0-15:2/4" group syntax (used on the kernel command line) and "a-b:s" stride
-            step = step.split("/")[0]
-            if not step.isdigit() or int(step) == 0:
-                raise TopologyError(path, f"bad cpulist stride {step!r} in {text!r}")
-            stride = int(step)
+            # "a-b:used/group" (kernel command line: used CPUs of every group) or "a-b:stride"
+            used_text, slash, group_text = step.partition("/")
+            if not _NUMBER.match(used_text) or len(used_text) > 6 or int(used_text) == 0:
+                raise TopologyError(
+                    path, f"bad cpulist stride {_shown(step, 12)} in {_shown(text)}"
+                )
+            if slash:
+                if not _NUMBER.match(group_text) or len(group_text) > 6 or int(group_text) == 0:
+                    raise TopologyError(
+                        path, f"bad cpulist group {_shown(step, 12)} in {_shown(text)}"
+                    )
+                used, stride = int(used_text), int(group_text)
+            else:
+                stride = int(used_text)
         if "-" in part:
-            lo, _, hi = part.partition("-")
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise TopologyError(path, f"bad cpulist range {part!r} in {text!r}")
-            cpus.update(range(int(lo), int(hi) + 1, stride))
-        elif part.isdigit():
-            cpus.add(int(part))
+            lo_text, _, hi_text = part.partition("-")
+            lo = _cpu_id(lo_text, path, text)
+            hi = _cpu_id(hi_text, path, text)
+            if lo is None or hi is None or lo > hi:
+                raise TopologyError(path, f"bad cpulist range {_shown(part, 24)} in {_shown(text)}")
+            if used is None:
+                cpus.update(range(lo, hi + 1, stride))
+            else:
+                for start in range(lo, hi + 1, stride):
+                    cpus.update(range(start, min(start + used, hi + 1)))
         else:
-            raise TopologyError(path, f"bad cpulist entry {part!r} in {text!r}")
+            cpu = _cpu_id(part, path, text)
+            if cpu is None or step:
+                raise TopologyError(path, f"bad cpulist entry {_shown(part, 24)} in {_shown(text)}")
+            cpus.add(cpu)
     return sorted(cpus)
 
 
@@ -102,10 +167,13 @@ def parse_cpumask(text, path="<cpumask>"):
         text = text[2:]
     if not text:
         return []
-    try:
-        value = int(text, 16)
-    except ValueError:
-        raise TopologyError(path, f"not a hex cpumask: {text!r}") from None
+    if len(text) * 4 > MAX_CPUS:
+        raise TopologyError(
+            path, "cpumask of %d hex digits is above the %d-CPU limit" % (len(text), MAX_CPUS)
+        )
+    if not re.match(r"^[0-9a-fA-F]+$", text):
+        raise TopologyError(path, f"not a hex cpumask: {_shown(text)}")
+    value = int(text, 16)
     cpus = []
     bit = 0
     while value:
@@ -154,20 +222,46 @@ class _Reader:
     def exists(self, rel):
         return os.path.exists(self.path(rel))
 
-    def read_opt(self, rel):
-        """The cleaned content, or None when the file does not exist."""
+    def read_opt(self, rel, limit=MAX_READ_BYTES, truncate=False):
+        """The cleaned content, or None when the file does not exist.
+
+        Opened without blocking and checked to be a regular file before anything is read, so
+        a FIFO or a device in place of a sysfs file is an error instead of a hang; at most
+        ``limit`` bytes are read (more is an error unless ``truncate``).
+        """
         path = self.path(rel)
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
-        except FileNotFoundError:
-            return None
-        except NotADirectoryError:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except IsADirectoryError:
-            raise TopologyError(path, "expected a file") from None
+            raise TopologyError(path, "expected a file, found a directory") from None
         except OSError as exc:
             raise TopologyError(path, f"unreadable ({exc.strerror})") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise TopologyError(path, "expected a file, found a directory")
+            if not stat.S_ISREG(mode):
+                kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket or device"
+                raise TopologyError(path, f"expected a regular file, found {kind}")
+            chunks = []
+            size = 0
+            while size <= limit:
+                chunk = os.read(fd, min(65536, limit + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except OSError as exc:
+            raise TopologyError(path, f"unreadable ({exc.strerror})") from None
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if size > limit:
+            if not truncate:
+                raise TopologyError(path, "larger than %d bytes: not a kernel attribute" % limit)
+            data = data[:limit]
         return _clean(data.decode("utf-8", "replace"))
 
     def read(self, rel, default=None):
@@ -184,19 +278,18 @@ class _Reader:
             if default is not None:
                 return default
             raise TopologyError(self.path(rel), "missing")
-        try:
-            return int(text)
-        except ValueError:
-            raise TopologyError(self.path(rel), f"expected an integer, got {text!r}") from None
+        return self._int(rel, text)
+
+    def _int(self, rel, text):
+        if not _INTEGER.match(text):
+            raise TopologyError(self.path(rel), f"expected an integer, got {_shown(text)}")
+        return int(text)
 
     def read_int_opt(self, rel):
         text = self.read_opt(rel)
         if text is None:
             return None
-        try:
-            return int(text)
-        except ValueError:
-            raise TopologyError(self.path(rel), f"expected an integer, got {text!r}") from None
+        return self._int(rel, text)
 
     def read_cpus(self, list_rel, mask_rel=None, default=None):
         """Read a cpulist file, falling back to its hex-mask twin."""
@@ -302,39 +395,164 @@ def _read_l3(reader, cpu, online_set):
     return None
 
 
-def _read_nodes(reader, online):
-    """NUMA nodes as [{id, cpus, memory_kb}]; no node/ directory means node 0 has all."""
+def _node_list(reader, name):
+    """node/<name> (online, possible, has_cpu, has_memory) as a list, None when absent."""
+    rel = "%s/%s" % (_NODE, name)
+    text = reader.read_opt(rel)
+    return None if text is None else parse_cpulist(text, reader.path(rel))
+
+
+def _distances(reader, node_id, online_ids):
+    """nodeN/distance as [[node, distance], ...]; the row follows node/online's order."""
+    rel = "%s/node%d/distance" % (_NODE, node_id)
+    text = reader.read_opt(rel)
+    if not text:
+        return []
+    values = text.split()
+    if len(values) != len(online_ids) or not all(_NUMBER.match(v) and len(v) < 6 for v in values):
+        raise TopologyError(
+            reader.path(rel),
+            "expected %d distances (one per online node %s), got %s"
+            % (len(online_ids), format_cpulist(online_ids), _shown(text)),
+        )
+    return [[node, int(value)] for node, value in zip(online_ids, values)]
+
+
+def _nearest_memory_node(node, nodes, package_of):
+    """The node whose memory serves ``node``'s CPUs: itself, else the nearest with memory.
+
+    By SLIT distance when the node has a distance row; an offline node has none, so the
+    nodes with memory on the same package come first, then the lowest id.
+    """
+    if node["has_memory"]:
+        return node["id"]
+    with_memory = [n for n in nodes if n["has_memory"]]
+    if not with_memory:
+        return None
+    distance = dict(node["distances"])
+    packages = {package_of[c] for c in node["cpus"] if c in package_of}
+
+    def rank(other):
+        same_package = bool(packages & {package_of[c] for c in other["cpus"] if c in package_of})
+        return (distance.get(other["id"], 1 << 20), not same_package, other["id"])
+
+    return min(with_memory, key=rank)["id"]
+
+
+def _read_nodes(reader, online, package_of):
+    """NUMA nodes as [{id, cpus, memory_kb, has_memory, online, distances, memory_node}].
+
+    No node/ directory at all means node 0 has everything. A node with CPUs but no memory
+    is kept: the kernel may list it online with MemTotal 0 (has_memory leaves it out), or
+    leave it offline with no nodeN/ directory while cpuN/nodeN links still name it. Nodes
+    with memory and no CPUs (CXL expanders, HBM) are kept too, with an empty CPU list.
+    """
     node_dirs = _numbered(reader.listdir(_NODE), "node")
     if not node_dirs:
-        return [{"id": 0, "cpus": list(online), "memory_kb": None}], False
+        return [
+            {
+                "id": 0,
+                "cpus": list(online),
+                "memory_kb": None,
+                "has_memory": True,
+                "online": True,
+                "distances": [],
+                "memory_node": 0,
+            }
+        ], False
     online_set = set(online)
+    has_memory = _node_list(reader, "has_memory")
+    online_list = _node_list(reader, "online")
+    online_ids = sorted(node_dirs) if online_list is None else online_list
     nodes = []
     for node_id in sorted(node_dirs):
         rel = "%s/node%d/" % (_NODE, node_id)
         cpus = reader.read_cpus(rel + "cpulist", rel + "cpumap", default=[])
         memory_kb = None
         meminfo = reader.read(rel + "meminfo", default="")
-        match = re.search(r"MemTotal:\s*(\d+)\s*kB", meminfo)
+        match = re.search(r"MemTotal:\s*([0-9]{1,15})\s*kB", meminfo)
         if match:
             memory_kb = int(match.group(1))
+        if has_memory is not None:
+            memory = node_id in has_memory
+        else:
+            memory = memory_kb is None or memory_kb > 0
         nodes.append(
-            {"id": node_id, "cpus": sorted(set(cpus) & online_set), "memory_kb": memory_kb}
+            {
+                "id": node_id,
+                "cpus": sorted(set(cpus) & online_set),
+                "memory_kb": memory_kb if memory or memory_kb is not None else 0,
+                "has_memory": memory,
+                "online": node_id in online_ids,
+                "distances": _distances(reader, node_id, online_ids)
+                if node_id in online_ids
+                else [],
+            }
         )
-    placed = set()
+    placed = {}
     for node in nodes:
-        overlap = placed & set(node["cpus"])
+        overlap = set(placed) & set(node["cpus"])
         if overlap:
             raise TopologyError(
                 reader.path("%s/node%d/cpulist" % (_NODE, node["id"])),
                 f"CPUs {format_cpulist(overlap)} appear in more than one NUMA node",
             )
-        placed.update(node["cpus"])
-    missing = online_set - placed
+        placed.update(dict.fromkeys(node["cpus"], node["id"]))
+    missing = sorted(online_set - set(placed))
     if missing:
-        raise TopologyError(
-            reader.path(_NODE),
-            f"online CPUs {format_cpulist(missing)} belong to no NUMA node",
-        )
+        # CPUs of a node without a directory (offline, memoryless): their cpuN/nodeM link
+        # names it, or node/possible + has_cpu leave exactly one candidate.
+        extra = {}
+        unlinked = []
+        for cpu in missing:
+            links = _numbered(reader.listdir("%s/cpu%d" % (_CPU, cpu)), "node")
+            if len(links) > 1:
+                raise TopologyError(
+                    reader.path("%s/cpu%d" % (_CPU, cpu)),
+                    "CPU %d links to NUMA nodes %s" % (cpu, format_cpulist(links)),
+                )
+            if links:
+                extra.setdefault(next(iter(links)), []).append(cpu)
+            else:
+                unlinked.append(cpu)
+        if unlinked:
+            candidates = set(_node_list(reader, "possible") or []) | set(
+                _node_list(reader, "has_cpu") or []
+            )
+            candidates -= set(node_dirs)
+            if len(candidates) != 1:
+                raise TopologyError(
+                    reader.path(_NODE),
+                    "online CPUs %s belong to no NUMA node (no nodeN/ lists them, no "
+                    "cpuN/nodeM link names one, and node/possible leaves %s)"
+                    % (
+                        format_cpulist(unlinked),
+                        "no candidate"
+                        if not candidates
+                        else "candidates %s" % format_cpulist(candidates),
+                    ),
+                )
+            extra.setdefault(next(iter(candidates)), []).extend(unlinked)
+        for node_id, cpus in sorted(extra.items()):
+            if node_id in node_dirs:
+                raise TopologyError(
+                    reader.path("%s/node%d/cpulist" % (_NODE, node_id)),
+                    "CPUs %s link to node %d, but its cpulist leaves them out"
+                    % (format_cpulist(cpus), node_id),
+                )
+            nodes.append(
+                {
+                    "id": node_id,
+                    "cpus": sorted(cpus),
+                    "memory_kb": 0,
+                    "has_memory": False,
+                    "online": False,
+                    "distances": [],
+                }
+            )
+        nodes.sort(key=lambda n: n["id"])
+    for node in nodes:
+        node["memory_node"] = _nearest_memory_node(node, nodes, package_of)
     return nodes, True
 
 
@@ -621,18 +839,18 @@ def read_topology(root="/"):
             seen[cpu] = siblings
     core_types = _core_types(reader)
 
-    nodes, has_numa_dir = _read_nodes(reader, online)
-    node_of = {}
-    for node in nodes:
-        for cpu in node["cpus"]:
-            node_of[cpu] = node["id"]
-
     # Packages, in the kernel's own ids.
     packages = [
         {"id": pkg, "cpus": cpus}
         for pkg, cpus in sorted(_group(online, lambda c: per_cpu[c]["package"]).items())
     ]
     package_of = {cpu: per_cpu[cpu]["package"] for cpu in online}
+
+    nodes, has_numa_dir = _read_nodes(reader, online, package_of)
+    node_of = {}
+    for node in nodes:
+        for cpu in node["cpus"]:
+            node_of[cpu] = node["id"]
 
     # Dies and clusters when the kernel reports them.
     dies = []
@@ -719,7 +937,8 @@ def read_topology(root="/"):
         node["l3_groups"] = sorted({l3_of[c] for c in node["cpus"]})
         node["packages"] = sorted({package_of[c] for c in node["cpus"]})
 
-    cpuinfo_text = reader.read("proc/cpuinfo", default="")
+    # Only the first two blocks are used; a 1024-CPU cpuinfo is megabytes.
+    cpuinfo_text = reader.read_opt("proc/cpuinfo", limit=1 << 18, truncate=True) or ""
     cpuinfo_blocks, arch = _parse_cpuinfo(cpuinfo_text)
     first = cpuinfo_blocks[0] if cpuinfo_blocks else {}
     vendor = first.get("vendor_id") or _arm_vendor(first.get("cpu implementer")) or None
@@ -751,6 +970,10 @@ def read_topology(root="/"):
         "clusters": clusters,
         "numa_nodes": nodes,
         "numa_source": "sysfs" if has_numa_dir else "assumed (no node/ directory)",
+        # Nodes with CPUs but no memory (a socket without DIMMs), and nodes with memory but
+        # no CPUs (CXL, HBM); both are in numa_nodes too.
+        "memoryless_nodes": [n["id"] for n in nodes if n["cpus"] and not n["has_memory"]],
+        "cpuless_nodes": [n["id"] for n in nodes if not n["cpus"]],
         "l3_groups": result_l3,
         "l3_source": l3_source,
         "cores": cores,

@@ -5,6 +5,7 @@ The decoders here are deliberately independent of the generator's own helpers.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -194,7 +195,15 @@ def test_tree_is_self_consistent(trees, name):
             for c in cpus:
                 assert (root / CPU / f"cpu{c}/node{n}").is_symlink()
                 assert (root / CPU / f"cpu{c}/node{n}").resolve() == (root / NODE / f"node{n}")
-        assert sorted(seen) == sorted(online)  # every online CPU in exactly one node
+        # Every online CPU in exactly one node; an offline (memoryless) node's CPUs are
+        # named only by their cpuN/nodeM link, which points at no directory.
+        possible_nodes = dec_list(rd(root, f"{NODE}/possible"))
+        for n in sorted(possible_nodes - set(nodes)):
+            assert not (root / NODE / f"node{n}").exists()
+            linked = {c for c in online if (root / CPU / f"cpu{c}/node{n}").is_symlink()}
+            assert linked and not (root / CPU / f"cpu{next(iter(linked))}/node{n}").exists()
+            seen += sorted(linked)
+        assert sorted(seen) == sorted(online)
     else:
         assert not list((root / CPU).glob("cpu*/node*"))
 
@@ -348,6 +357,20 @@ def test_threadripper_l3_as_numa(trees):
     nodes = {frozenset(dec_list(rd(root, f"{NODE}/node{n}/cpulist"))) for n in range(4)}
     assert nodes == groups(root, "cache/index3/shared_cpu_list")
     assert rd(root, f"{NODE}/node0/cpulist") == "0-7,32-39"
+
+
+def test_memoryless_and_cxl_nodes(trees):
+    root = trees("xeon-2s-memoryless-node0")
+    assert rd(root, f"{NODE}/online") == "1" and rd(root, f"{NODE}/possible") == "0-1"
+    assert rd(root, f"{NODE}/has_memory") == "1"
+    assert not (root / NODE / "node0").exists()
+    assert os.readlink(root / CPU / "cpu4/node0") == "../../node/node0"
+    cxl = trees("epyc-9354-2s-nps4-cxl")
+    assert rd(cxl, f"{NODE}/online") == "0-9" and rd(cxl, f"{NODE}/has_cpu") == "0-7"
+    assert rd(cxl, f"{NODE}/node8/cpulist") == ""
+    assert rd(cxl, f"{NODE}/node9/cpumap") == ",".join(["00000000"] * 4)
+    assert rd(cxl, f"{NODE}/node0/distance").split()[-2:] == ["50", "50"]
+    assert "MemTotal:       268435456 kB" in rd(cxl, f"{NODE}/node9/meminfo")
 
 
 def test_shape_dict_masks_only_xen_and_cli(tmp_path):

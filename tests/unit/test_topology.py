@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
+import sysfs_gen
 from conftest import run_local_playbook
 
 from rtfleet.planner import PlanError, check_invariants, plan_partition
@@ -40,6 +42,9 @@ SHAPES = {
     "arm64-altra-q80": (80, 1, 1, 1, 80, 1, False),
     "robustness-mix": (14, 2, 2, 2, 7, 2, False),
     "threadripper-l3-as-numa": (64, 1, 4, 4, 16, 2, False),
+    "epyc-7763-2s": (256, 2, 2, 16, 16, 2, False),
+    "epyc-9354-2s-nps4-cxl": (128, 2, 10, 16, 8, 2, False),
+    "xeon-2s-memoryless-node0": (160, 2, 2, 2, 80, 2, False),
 }
 
 
@@ -199,8 +204,19 @@ def _minimal(root, cpus=2):
 def test_minimal_tree_without_node_cache_proc(tmp_path):
     topo = read_topology(str(_minimal(tmp_path)))
     assert topo["numa_nodes"] == [
-        {"id": 0, "cpus": [0, 1], "memory_kb": None, "l3_groups": [0], "packages": [0]}
+        {
+            "id": 0,
+            "cpus": [0, 1],
+            "memory_kb": None,
+            "has_memory": True,
+            "online": True,
+            "distances": [],
+            "memory_node": 0,
+            "l3_groups": [0],
+            "packages": [0],
+        }
     ]
+    assert topo["memoryless_nodes"] == [] and topo["cpuless_nodes"] == []
     assert topo["l3_source"] == "package+numa"
     assert topo["kernel"]["flavour"] == "stock"
 
@@ -254,6 +270,164 @@ def test_mask_and_list_codecs():
     assert format_cpulist(parse_cpulist("0-3,8,10-11")) == "0-3,8,10-11"
     with pytest.raises(TopologyError, match="not a hex cpumask"):
         parse_cpumask("zz")
+
+
+# ---------------------------------------------------------------- memoryless and CXL nodes
+
+
+def _memoryless(tmp_path, **overrides):
+    shape = sysfs_gen.load_shape("xeon-2s-memoryless-node0")
+    shape.update(overrides)
+    return read_topology(str(sysfs_gen.build_tree(shape, tmp_path)))
+
+
+def _check_memoryless_node0(topo):
+    node0, node1 = topo["numa_nodes"]
+    socket0 = next(p["cpus"] for p in topo["packages"] if p["id"] == 0)
+    assert node0["id"] == 0 and node0["cpus"] == socket0 and 4 in node0["cpus"]
+    assert node0["has_memory"] is False and node0["memory_kb"] == 0
+    assert node0["memory_node"] == 1 and node1["memory_node"] == 1
+    assert topo["memoryless_nodes"] == [0] and topo["cpuless_nodes"] == []
+    assert {c["numa_node"] for c in topo["cores"] if c["cpus"][0] in socket0} == {0}
+    assert all(g["numa_nodes"] == [g["package"]] for g in topo["l3_groups"])
+
+
+def test_memoryless_offline_node_is_read_from_cpu_links(tmp_path):
+    """node/online "1", no node0/, cpuN/node0 still linked: was "belong to no NUMA node"."""
+    topo = _memoryless(tmp_path)
+    _check_memoryless_node0(topo)
+    assert topo["numa_nodes"][0]["online"] is False and topo["numa_nodes"][1]["online"]
+    plan = plan_partition(topo)
+    check_invariants(topo, plan)
+
+
+def test_memoryless_offline_node_without_cpu_links_uses_node_possible(tmp_path):
+    _check_memoryless_node0(_memoryless(tmp_path, memoryless_cpu_links=False))
+
+
+def test_memoryless_online_node_with_memtotal_zero(tmp_path):
+    topo = _memoryless(tmp_path, memoryless_style="online")
+    _check_memoryless_node0(topo)
+    assert topo["numa_nodes"][0]["online"] is True
+    assert topo["numa_nodes"][0]["distances"] == [[0, 10], [1, 20]]
+
+
+def test_unplaceable_cpus_still_fail_with_the_reason(tmp_path):
+    root = sysfs_gen.build_tree(
+        dict(sysfs_gen.load_shape("xeon-2s-memoryless-node0"), memoryless_cpu_links=False),
+        tmp_path,
+    )
+    (root / "sys/devices/system/node/possible").write_text("1\n")
+    with pytest.raises(TopologyError, match=r"belong to no NUMA node .*no candidate"):
+        read_topology(str(root))
+
+
+def test_cxl_cpuless_nodes_are_kept(trees):
+    topo = read_topology(str(trees("epyc-9354-2s-nps4-cxl")))
+    assert topo["cpuless_nodes"] == [8, 9] and topo["memoryless_nodes"] == []
+    cxl = [n for n in topo["numa_nodes"] if n["id"] >= 8]
+    assert [(n["cpus"], n["memory_kb"], n["has_memory"]) for n in cxl] == [
+        ([], 268435456, True),
+        ([], 268435456, True),
+    ]
+    assert dict(topo["numa_nodes"][0]["distances"])[8] == 50
+    assert all(n["memory_node"] == n["id"] for n in topo["numa_nodes"])
+
+
+# ---------------------------------------------------------------- hostile files
+
+
+def _hostile_tree(tmp_path, case):
+    root = _minimal(tmp_path / "root")
+    if case == "huge-range":
+        _write(root, "sys/devices/system/cpu/online", "0-99999999\n")
+        return root, "sys/devices/system/cpu/online"
+    if case == "5000-digits":
+        rel = "sys/devices/system/cpu/cpu1/topology/core_id"
+        _write(root, rel, "9" * 5000 + "\n")
+        return root, rel
+    if case == "5000-digit-cpu":
+        rel = "sys/devices/system/cpu/cpu1/topology/core_cpus_list"
+        _write(root, rel, "1" * 5000 + "\n")
+        return root, rel
+    if case == "fifo":
+        rel = "sys/devices/system/cpu/cpu1/topology/core_cpus_list"
+        os.unlink(root / rel)
+        os.mkfifo(root / rel)
+        return root, rel
+    if case == "fifo-meminfo":
+        rel = "sys/devices/system/node/node0/meminfo"
+        _write(root, "sys/devices/system/node/node0/cpulist", "0-1\n")
+        os.mkfifo(root / rel)
+        return root, rel
+    if case == "huge-file":
+        rel = "proc/cmdline"
+        _write(root, rel, "quiet " * 400000)
+        return root, rel
+    raise AssertionError(case)
+
+
+HOSTILE = ("huge-range", "5000-digits", "5000-digit-cpu", "fifo", "fifo-meminfo", "huge-file")
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_file_is_a_quick_topology_error_naming_it(tmp_path, case):
+    root, rel = _hostile_tree(tmp_path, case)
+    started = time.monotonic()
+    with pytest.raises(TopologyError) as info:
+        read_topology(str(root))
+    assert time.monotonic() - started < 1.0
+    message = str(info.value)
+    assert message.startswith(str(root / rel) + ": ")
+    assert "\n" not in message and len(message) < 300
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_file_cli_exits_2_with_one_line(tmp_path, case):
+    root, rel = _hostile_tree(tmp_path, case)
+    result = subprocess.run(
+        [sys.executable, "-m", "rtfleet.cli", "topology", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=20,  # a FIFO read used to block forever
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rtfleet: error: " + str(root / rel) + ": ")
+    assert "Traceback" not in result.stderr
+
+
+def test_cpulist_limits_and_group_syntax():
+    with pytest.raises(TopologyError, match="above the 65536-CPU limit"):
+        parse_cpulist("0-99999999")
+    with pytest.raises(TopologyError, match=r"above the 65536-CPU limit"):
+        parse_cpulist("1" * 5000)
+    with pytest.raises(TopologyError, match="bad cpulist entry"):
+        parse_cpulist("\u00b2")  # str.isdigit() is true for a superscript two
+    with pytest.raises(TopologyError, match="above the 65536-CPU limit"):
+        parse_cpumask("f" * 20000)
+    assert parse_cpulist("65535") == [65535]
+    assert parse_cpulist("0-15:2/8") == [0, 1, 8, 9]  # kernel: 2 used of every group of 8
+    assert parse_cpulist("0-9:3/4") == [0, 1, 2, 4, 5, 6, 8, 9]
+
+
+@pytest.mark.parametrize(
+    "text", ["0-3,", ",0-3", "0,,1", "0-3, 8", " 0-3", "0-3\n", "0-15:2", "0-1/2", "a", "3-1"]
+)
+def test_strict_cpulist_refuses_what_kubelet_refuses(text):
+    with pytest.raises(TopologyError):
+        parse_cpulist(text, "reservedSystemCPUs", strict=True)
+    # The kernel's own (lenient) reading of the same file content is unchanged.
+    if text not in ("a", "3-1", "0-1/2"):
+        parse_cpulist(text)
+
+
+def test_strict_cpulist_accepts_kubelet_syntax():
+    assert parse_cpulist("", strict=True) == []
+    assert parse_cpulist("0-1,64-65,7", strict=True) == [0, 1, 7, 64, 65]
+    assert parse_cpulist("5-5", strict=True) == [5]
 
 
 # ---------------------------------------------------------------- Ansible module == CLI
