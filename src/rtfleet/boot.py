@@ -42,6 +42,10 @@ def arg_key(token):
     return token.split("=", 1)[0]
 
 
+def _has_memory(node):
+    return node.get("has_memory", True) and node.get("memory_kb") != 0
+
+
 def _hugepage_args(topology, size, per_node):
     if isinstance(per_node, str) and per_node.strip().isdigit():
         per_node = int(per_node)
@@ -69,7 +73,12 @@ def _hugepage_args(topology, size, per_node):
                 )
             counts[node] = count
     else:
-        counts = dict.fromkeys(nodes, per_node)
+        # Every node that has CPUs and memory: a memoryless node (a socket without DIMMs)
+        # has nothing to reserve, and a CPU-less node (CXL) is far memory nobody runs on.
+        counts = dict.fromkeys(
+            (n for n, node in nodes.items() if node.get("cpus", True) and _has_memory(node)),
+            per_node,
+        )
     for node in sorted(counts):
         count = counts[node]
         if isinstance(count, str) and count.strip().isdigit():  # -e / INI inventory values
@@ -80,6 +89,12 @@ def _hugepage_args(topology, size, per_node):
             )
         memory_kb = nodes[node].get("memory_kb") or 0
         want_kb = count * HUGEPAGE_KB[size]
+        if count and not _has_memory(nodes[node]):
+            raise BootConfigError(
+                "hugepages per node: NUMA node %d has no memory (memoryless: no DIMMs on its "
+                "socket); reserve its pages on node %s instead"
+                % (node, nodes[node].get("memory_node"))
+            )
         if memory_kb and want_kb > HUGEPAGES_MAX_SHARE * memory_kb:
             raise BootConfigError(
                 "hugepages: %d x %s on NUMA node %d is %d MiB, more than %d%% of the node's "

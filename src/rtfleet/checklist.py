@@ -19,6 +19,8 @@ DEFAULT_WANTED = {
     "frequency_driver": None,  # list of accepted scaling drivers
     "governor": "performance",
     "memory_balance_max_ratio": 1.1,  # largest / smallest node memory
+    # DIMM population: every NUMA node with CPUs has memory (no memoryless socket/node).
+    "memory_on_every_node": True,
 }
 
 # Settings the OS cannot read back; listed so a person checks them in firmware setup.
@@ -43,6 +45,11 @@ def _validate(wanted, waivers):
         )
     merged = dict(DEFAULT_WANTED)
     merged.update(wanted or {})
+    if merged["memory_on_every_node"] not in (None, True, False):
+        raise ChecklistError(
+            "memory_on_every_node must be true, false or null, got %r"
+            % (merged["memory_on_every_node"],)
+        )
     for key in ("smt", "boost"):
         if merged[key] not in (None, "on", "off"):
             raise ChecklistError('%s must be "on", "off" or null, got %r' % (key, merged[key]))
@@ -94,6 +101,19 @@ def evaluate(topology, wanted=None, waivers=()):
         else (1.0 if memory else None)
     )
     limit = wanted["max_idle_latency_us"]
+    memoryless = [n["id"] for n in nodes if n.get("has_memory") is False or n.get("memory_kb") == 0]
+    memoryless_hint = "BIOS/DIMMs: every socket (NUMA node) needs populated memory channels"
+    if memoryless:
+        memoryless_hint = (
+            "DIMM population: NUMA node%s %s %s CPUs but no memory (no DIMMs on that socket or "
+            "die): every memory access from %s crosses to another node; populate its channels"
+            % (
+                "s" if len(memoryless) > 1 else "",
+                ", ".join(str(n) for n in memoryless),
+                "have" if len(memoryless) > 1 else "has",
+                "them" if len(memoryless) > 1 else "it",
+            )
+        )
     items = [
         _item(
             "nps",
@@ -144,6 +164,13 @@ def evaluate(topology, wanted=None, waivers=()):
             balance,
             balance is not None and balance <= (wanted["memory_balance_max_ratio"] or 0),
             "largest/smallest NUMA node memory: populate every channel alike",
+        ),
+        _item(
+            "memory_on_every_node",
+            wanted["memory_on_every_node"],
+            memoryless,
+            not memoryless or not wanted["memory_on_every_node"],
+            memoryless_hint,
         ),
     ]
     for name, hint in MANUAL_ITEMS:

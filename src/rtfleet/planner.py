@@ -334,6 +334,14 @@ def plan_partition(topology, policy=None):
                 "pick other groups or change housekeeping"
             )
 
+    memoryless = sorted(
+        {u["numa_node"] for u in runtime_units} & set(topology.get("memoryless_nodes") or [])
+    )
+    for node in memoryless:
+        warnings.append(
+            "NUMA node %d has CPUs but no memory (no DIMMs on its socket?): its runtime groups "
+            "bind memory to node %d, one hop away" % (node, memory_node_of_topology(topology, node))
+        )
     for unit in runtime_units:
         if unit["partial"]:
             warnings.append(
@@ -343,6 +351,12 @@ def plan_partition(topology, policy=None):
     runtime = sorted(c for u in runtime_units for c in u["cpus"])
     pod_pool = sorted(set(online) - set(housekeeping) - set(runtime))
 
+    # Memory for CPUs of a memoryless node (a socket without DIMMs) comes from the nearest
+    # node with memory; binding to the CPU's own node would leave nothing to allocate.
+    memory_node_of = {}
+    for node in topology["numa_nodes"]:
+        target = node.get("memory_node", node["id"])
+        memory_node_of[node["id"]] = node["id"] if target is None else target
     runtime_groups = []
     for unit in runtime_units:
         if policy["runtime_threads"] == "one_thread_per_core":
@@ -356,13 +370,14 @@ def plan_partition(topology, policy=None):
                 "cpulist": format_cpulist(unit["cpus"]),
                 "worker_cpus": worker_cpus,
                 "numa_node": unit["numa_node"],
+                "memory_node": memory_node_of[unit["numa_node"]],
                 "l3_group": unit["l3_group"],
                 "package": unit["package"],
                 "partial_l3": unit["partial"],
                 "systemd": {
                     "CPUAffinity": format_cpulist(unit["cpus"]),
                     "NUMAPolicy": "bind",
-                    "NUMAMask": str(unit["numa_node"]),
+                    "NUMAMask": str(memory_node_of[unit["numa_node"]]),
                 },
             }
         )
@@ -415,6 +430,7 @@ def plan_partition(topology, policy=None):
         "numa_nodes": [
             {
                 "id": node["id"],
+                "memory_node": memory_node_of[node["id"]],
                 "housekeeping": sorted(set(node["cpus"]) & set(housekeeping)),
                 "runtime_groups": [
                     g["name"] for g in runtime_groups if g["numa_node"] == node["id"]
@@ -428,6 +444,15 @@ def plan_partition(topology, policy=None):
     }
     check_invariants(topology, plan)
     return plan
+
+
+def memory_node_of_topology(topology, node_id):
+    """The node whose memory serves ``node_id``'s CPUs (itself unless it is memoryless)."""
+    for node in topology["numa_nodes"]:
+        if node["id"] == node_id:
+            target = node.get("memory_node", node_id)
+            return node_id if target is None else target
+    return node_id
 
 
 def check_invariants(topology, plan):
@@ -458,6 +483,13 @@ def check_invariants(topology, plan):
             raise PlanError("invariant: {} workers outside the group".format(group["name"]))
     if seen != rt:
         raise PlanError("invariant: runtime groups do not add up to the runtime set")
+    with_memory = {n["id"] for n in topology["numa_nodes"] if n.get("has_memory", True)}
+    for group in plan["runtime_groups"]:
+        bound = int(group["systemd"]["NUMAMask"])
+        if with_memory and bound not in with_memory:
+            raise PlanError(
+                "invariant: {} binds memory to node {}, which has none".format(group["name"], bound)
+            )
     for node in topology["numa_nodes"]:
         if node["cpus"] and not set(node["cpus"]) & hk:
             raise PlanError("invariant: NUMA node %d has no housekeeping CPU" % node["id"])

@@ -82,3 +82,22 @@ def test_module_fails_the_host_naming_the_items(trees, tmp_path):
     assert "smt: wanted off, observed on" in task["msg"]
     assert "governor" in task["msg"]
     assert "max_idle_latency_us" not in task["checklist"]["failed"]
+
+
+def test_memoryless_node_fails_dimm_population(trees, tmp_path):
+    """A socket without DIMMs (node 0 memoryless) is flagged, and can be waived."""
+    topo = read_topology(str(trees("xeon-2s-memoryless-node0")))
+    result = evaluate(topo, {"governor": None, "max_idle_latency_us": None})
+    assert result["failed"] == ["memory_on_every_node"]
+    item = _status_item(result, "memory_on_every_node")
+    assert item["observed"] == [0] and "node 0 has CPUs but no memory" in item["hint"]
+    assert evaluate(
+        topo, {"governor": None, "max_idle_latency_us": None}, ["memory_on_every_node"]
+    )["ok"]
+    healthy = evaluate(read_topology(str(trees("epyc-9354-2s-nps4-cxl"))), {"nps": 4})
+    assert _status(healthy)["memory_on_every_node"] == "ok"  # CPU-less CXL nodes are fine
+    assert _status(healthy)["nps"] == "ok"  # CXL nodes do not count as NPS
+
+
+def _status_item(result, name):
+    return next(i for i in result["items"] if i["item"] == name)

@@ -290,3 +290,35 @@ def test_cpulist_round_trip_edges():
     assert format_cpulist([]) == ""
     assert format_cpulist([3, 1, 2, 8, 10, 9]) == "1-3,8-10"
     assert parse_cpulist("0-3,8,10-15:2\x00\n") == [0, 1, 2, 3, 8, 10, 12, 14]
+
+
+def test_memoryless_node_binds_runtime_memory_to_the_nearest_node_with_memory():
+    """Node 0 has CPUs but no memory (a socket without DIMMs): its units bind node 1."""
+    topology = synth_topology(packages=2, l3_per_node=2, cores_per_l3=4)
+    node0, node1 = topology["numa_nodes"]
+    node0.update(has_memory=False, memory_kb=0, memory_node=1)
+    node1.update(has_memory=True, memory_kb=2**20, memory_node=1)
+    topology["memoryless_nodes"] = [0]
+    plan = plan_partition(topology)
+    on_node0 = [g for g in plan["runtime_groups"] if g["numa_node"] == 0]
+    assert on_node0 and all(g["memory_node"] == 1 for g in on_node0)
+    assert {g["systemd"]["NUMAMask"] for g in on_node0} == {"1"}
+    assert all(
+        g["systemd"]["NUMAMask"] == "1" == str(g["memory_node"])
+        for g in plan["runtime_groups"]
+        if g["numa_node"] == 1
+    )
+    assert [n["memory_node"] for n in plan["numa_nodes"]] == [1, 1]
+    assert any("node 0 has CPUs but no memory" in w for w in plan["warnings"])
+    # A plan that binds memory to the memoryless node breaks an invariant.
+    on_node0[0]["systemd"]["NUMAMask"] = "0"
+    with pytest.raises(PlanError, match="binds memory to node 0, which has none"):
+        check_invariants(topology, plan)
+
+
+def test_nodes_with_memory_bind_their_own_node():
+    plan = plan_partition(synth_topology(packages=2, nodes_per_package=2))
+    assert all(
+        str(g["memory_node"]) == g["systemd"]["NUMAMask"] == str(g["numa_node"])
+        for g in plan["runtime_groups"]
+    )
