@@ -16,6 +16,7 @@ from shminfer.queue import (
     DONE,
     ERROR,
     FREE,
+    PROCESSING,
     READY,
     WORKER_READY,
     WRITING,
@@ -25,6 +26,14 @@ from shminfer.queue import (
 from shminfer.registry import read_registry
 
 _SAFETY_WAIT_S = 0.05
+_MAX_ERROR = 1024  # bytes of a worker's error text shown
+_IN_FLIGHT = (READY, PROCESSING)
+
+
+def _printable(raw: bytes) -> str:
+    """Error text from shared memory, safe to print: bounded, decoded, no control bytes."""
+    text = raw[:_MAX_ERROR].decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else "?" for c in text) or "(no error text)"
 
 
 class InferenceError(RuntimeError):
@@ -60,7 +69,8 @@ class _Lane:
         states = self.seg.state_words
         keep = []
         for index in self.abandoned:
-            if states[index] in (DONE, ERROR, FREE):
+            # Not in flight: the worker is done with it (or a peer scribbled its state).
+            if states[index] not in _IN_FLIGHT:
                 states[index] = FREE
                 self.free.append(index)
             else:
@@ -170,7 +180,7 @@ class Client:
     def _wait(self, lane, slot, deadline):
         states = lane.seg.state_words
         if self.wait_mode == "sleep":
-            while states[slot] not in (DONE, ERROR):
+            while states[slot] in _IN_FLIGHT:
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.0005)
@@ -179,14 +189,14 @@ class Client:
         spin_until = clock() + self.spin_ns
         while clock() < spin_until:
             state = states[slot]
-            if state in (DONE, ERROR):
+            if state not in _IN_FLIGHT:
                 return state
         addr = lane.seg.state_addr(slot)
         waiters = lane.seg.waiters
         while True:
             waiters[slot] = 1
             state = states[slot]
-            if state in (DONE, ERROR):
+            if state not in _IN_FLIGHT:
                 waiters[slot] = 0
                 return state
             remaining = deadline - time.monotonic()
@@ -207,6 +217,13 @@ class Client:
                 f"request {pending.seq} to {seg.path} got no answer in time "
                 f"(slot state {seg.state_words[slot]}); the slot is reclaimed when it ends"
             )
+        if state not in (DONE, ERROR):
+            # Only the worker ends a request, with DONE or ERROR: anything else is a scribble.
+            lane.abandoned.append(slot)
+            raise InferenceError(
+                f"request {pending.seq:#x} to {seg.path}: its slot's state word became "
+                f"{state:#x}, not an answer (another process wrote over it); refused"
+            )
         length = seg.slot_get(slot, "response_len")
         answered = seg.slot_get(slot, "response_seq")
         if answered != pending.seq:
@@ -217,11 +234,16 @@ class Client:
                 f"another request ({answered:#x}); refused"
             )
         if state == ERROR:
-            message = bytes(lane.responses[slot][:length]).decode("utf-8", "replace")
+            message = _printable(bytes(lane.responses[slot][: min(length, _MAX_ERROR)]))
             seg.state_words[slot] = FREE
             lane.free.append(slot)
             raise InferenceError(message)
-        outputs = lane.decoder.decode(lane.responses[slot], length, slot=slot)
+        try:
+            outputs = lane.decoder.decode(lane.responses[slot], length, slot=slot)
+        except PayloadError as exc:
+            seg.state_words[slot] = FREE
+            lane.free.append(slot)
+            raise InferenceError(f"request {pending.seq:#x}: undecodable response: {exc}") from None
         if copy:
             outputs = {name: np.array(value) for name, value in outputs.items()}
         seg.state_words[slot] = FREE

@@ -13,11 +13,20 @@ steady stream of same-shaped requests costs one memcpy per array and no parsing.
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 
 import numpy as np
 
 ALIGN = 64
+MAX_ARRAYS = 64
+MAX_DIMS = 32  # numpy 1.x's limit; numpy 2 allows 64, a payload never needs that many
+MAX_ITEMSIZE = 16
+MAX_DIM = 1 << 40
+# Plain numeric and bool dtypes only ('<f4', '|b1', '>i8', ...): nothing with fields,
+# objects, sub-arrays or sizes of its own.
+_DTYPE = re.compile(r"^[<>|=]?[biufc][0-9]{1,2}$")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -47,7 +56,7 @@ def _build_layout(spec) -> Layout:
         raw_dtype = dtype.str.encode()
         if len(raw_name) > 255:
             raise PayloadError(f"array name {name!r} is longer than 255 bytes")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
         sizes.append(nbytes)
         parts.append(bytes([len(raw_name)]) + raw_name + bytes([len(raw_dtype)]) + raw_dtype)
         parts.append(bytes([len(shape)]) + b"".join(_U64.pack(d) for d in shape))
@@ -144,10 +153,13 @@ class Decoder:
             if len(self._layouts) >= self._max:
                 self._layouts.clear()
             self._layouts[header] = entries
-        views = {
-            name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
-            for name, dtype, shape, offset in entries
-        }
+        try:
+            views = {
+                name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)
+                for name, dtype, shape, offset in entries
+            }
+        except (ValueError, TypeError, OverflowError) as exc:  # checked already; belt and braces
+            raise PayloadError(f"payload does not describe arrays in its buffer: {exc}") from None
         if slot is not None:
             if len(self._views) >= 4 * self._max:
                 self._views.clear()
@@ -156,30 +168,51 @@ class Decoder:
 
     @staticmethod
     def _parse(header: bytes, length: int):
+        """Entries of a descriptor that come from an untrusted peer: every count, size, code
+        and offset is checked against the payload with exact integer arithmetic."""
         try:
             (count,) = struct.unpack_from("<H", header, 0)
+            if count > MAX_ARRAYS:
+                raise PayloadError(f"{count} arrays in one payload (at most {MAX_ARRAYS})")
             pos = 2
             entries = []
+            names = set()
             for _ in range(count):
                 n = header[pos]
                 name = header[pos + 1 : pos + 1 + n].decode()
+                if len(name.encode()) != n or not name.isprintable() or name in names:
+                    raise PayloadError("malformed payload descriptor: bad or repeated array name")
+                names.add(name)
                 pos += 1 + n
                 n = header[pos]
-                dtype = np.dtype(header[pos + 1 : pos + 1 + n].decode())
+                code = header[pos + 1 : pos + 1 + n].decode("ascii")
+                if len(code) != n or not _DTYPE.match(code):
+                    raise PayloadError(f"array {name!r}: dtype code {code!r} refused")
+                dtype = np.dtype(code)
+                if dtype.hasobject or dtype.fields or dtype.itemsize > MAX_ITEMSIZE:
+                    raise PayloadError(f"array {name!r}: dtype {code!r} refused")
                 pos += 1 + n
                 ndim = header[pos]
                 pos += 1
-                shape = tuple(_U64.unpack_from(header, pos + 8 * i)[0] for i in range(ndim))
+                if ndim > MAX_DIMS:
+                    raise PayloadError(f"array {name!r}: {ndim} dimensions (at most {MAX_DIMS})")
+                shape = struct.unpack_from(f"<{ndim}Q", header, pos)
                 pos += 8 * ndim
+                if any(d > MAX_DIM for d in shape):
+                    raise PayloadError(f"array {name!r}: dimension over {MAX_DIM} refused")
                 offset, nbytes = struct.unpack_from("<QQ", header, pos)
                 pos += 16
-                if dtype.hasobject:
-                    raise PayloadError(f"array {name!r}: object dtype refused")
-                want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                if nbytes != want or offset + nbytes > length or offset % ALIGN:
+                # Exact: Python ints do not wrap, so (2**32, 2**32) cannot pass as 0 bytes.
+                want = math.prod(shape) * dtype.itemsize
+                if (
+                    nbytes != want
+                    or offset % ALIGN
+                    or offset + nbytes > length
+                    or offset < 4 + len(header)
+                ):
                     raise PayloadError(
                         f"array {name!r}: {nbytes} bytes at offset {offset} do not match "
-                        f"shape {shape} {dtype} inside a {length}-byte payload"
+                        f"shape {_short(shape)} {dtype} inside a {length}-byte payload"
                     )
                 entries.append((name, dtype, shape, offset))
         except PayloadError:
@@ -189,3 +222,8 @@ class Decoder:
         if pos != len(header):
             raise PayloadError("malformed payload descriptor: trailing bytes")
         return entries
+
+
+def _short(shape) -> str:
+    text = str(tuple(shape))
+    return text if len(text) <= 80 else text[:77] + "..."

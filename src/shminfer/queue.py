@@ -90,6 +90,11 @@ RING_FIELDS = ("done_ns", "wall_ns", "process_cpu_ns", "thread_cpu_ns", "queue_w
 _RING = struct.Struct("<6Q")
 
 
+MAX_SLOTS = 4096
+MAX_SLOT_BYTES = 1 << 30
+_GEOMETRY_FIELDS = ("slot_count", "request_bytes", "response_bytes", "ring_records")
+
+
 class QueueError(RuntimeError):
     pass
 
@@ -113,19 +118,37 @@ def _geometry(slot_count, request_bytes, response_bytes, ring_records):
     return states, table, requests, responses, ring, _round_page(total)
 
 
+def _checked_geometry(mm, size, path):
+    """The header's geometry, refused unless it is sane and matches the mapping's size."""
+    fields = [struct.unpack_from(_H[k][1], mm, _H[k][0])[0] for k in _GEOMETRY_FIELDS]
+    slot_count, request_bytes, response_bytes, ring_records = fields
+    sane = (
+        1 <= slot_count <= MAX_SLOTS
+        and 64 <= request_bytes <= MAX_SLOT_BYTES
+        and 64 <= response_bytes <= MAX_SLOT_BYTES
+        and request_bytes % 64 == 0
+        and response_bytes % 64 == 0
+        and 1 <= ring_records <= 1 << 24
+    )
+    if not sane or _geometry(*fields)[-1] != size:
+        raise QueueError(f"{path}: the header's geometry is corrupt (a peer wrote over it?)")
+    return fields
+
+
 class Segment:
     """One mapped queue segment (creator or attacher)."""
 
-    def __init__(self, path, fd, mm, owner):
+    def __init__(self, path, fd, mm, owner, geometry):
+        """``geometry`` (slot_count, request_bytes, response_bytes, ring_records) comes from
+        the supervisor, never from the header a peer may have scribbled on."""
         self.path = path
         self.fd = fd
         self.mm = mm
         self.owner = owner
         self.buf = memoryview(mm)
-        self.slot_count = self.get("slot_count")
-        self.request_bytes = self.get("request_bytes")
-        self.response_bytes = self.get("response_bytes")
-        self.ring_records = self.get("ring_records")
+        self.slot_count, self.request_bytes, self.response_bytes, self.ring_records = (
+            int(v) for v in geometry
+        )
         (
             self.states_off,
             self.table_off,
@@ -134,6 +157,8 @@ class Segment:
             self.ring_off,
             self.size,
         ) = _geometry(self.slot_count, self.request_bytes, self.response_bytes, self.ring_records)
+        if self.size > len(mm):
+            raise QueueError(f"{path}: {len(mm)} bytes mapped, the geometry needs {self.size}")
         # Slot states: a numpy view for vector work, a memoryview of u32 for the hot path
         # (one state read or write there is ~50 ns instead of ~300 ns through numpy).
         self.states = np.ndarray(
@@ -176,8 +201,14 @@ class Segment:
         mode=0o600,
         gid=None,
     ):
-        if slot_count < 1 or slot_count > 4096:
-            raise QueueError(f"slot_count must be 1..4096, got {slot_count}")
+        if not 1 <= slot_count <= MAX_SLOTS:
+            raise QueueError(f"--slots must be 1..{MAX_SLOTS}, got {slot_count}")
+        for flag, value in (
+            ("--request-bytes", request_bytes),
+            ("--response-bytes", response_bytes),
+        ):
+            if not 64 <= int(value) <= MAX_SLOT_BYTES:
+                raise QueueError(f"{flag} must be 64..{MAX_SLOT_BYTES} (1 GiB), got {value}")
         request_bytes = (int(request_bytes) + 63) // 64 * 64
         response_bytes = (int(response_bytes) + 63) // 64 * 64
         geometry = _geometry(slot_count, request_bytes, response_bytes, ring_records)
@@ -219,10 +250,20 @@ class Segment:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(path, fd, mm, owner=True)
+        return cls(
+            path,
+            fd,
+            mm,
+            owner=True,
+            geometry=(slot_count, request_bytes, response_bytes, ring_records),
+        )
+
+    @property
+    def geometry(self):
+        return (self.slot_count, self.request_bytes, self.response_bytes, self.ring_records)
 
     @classmethod
-    def attach(cls, name):
+    def attach(cls, name, geometry=None):
         path = segment_path(name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -241,7 +282,14 @@ class Segment:
             mm.close()
             os.close(fd)
             raise QueueError(f"{path} is not a shminfer segment (bad magic)")
-        return cls(path, fd, mm, owner=False)
+        try:
+            if geometry is None:
+                geometry = _checked_geometry(mm, size, path)
+            return cls(path, fd, mm, owner=False, geometry=geometry)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
 
     def close(self):
         for view in ("states", "owners", "waiters"):
@@ -299,10 +347,14 @@ class Segment:
         return self.buf[start : start + self.response_bytes]
 
     def model_info(self):
-        length = self.get("model_len")
+        length = min(self.get("model_len"), PAGE - MODEL_OFFSET)
         if not length:
             return None
-        return json.loads(bytes(self.mm[MODEL_OFFSET : MODEL_OFFSET + length]))
+        try:
+            info = json.loads(bytes(self.mm[MODEL_OFFSET : MODEL_OFFSET + length]))
+        except ValueError:
+            return None
+        return info if isinstance(info, dict) else None
 
     def set_model_info(self, info):
         raw = json.dumps(info).encode()

@@ -142,7 +142,7 @@ class Server:
         process = self._ctx.Process(
             target=worker_main,
             args=(segment_name(self.name, cpu), cpu, self.backend, self.model),
-            kwargs=self.worker_options,
+            kwargs={**self.worker_options, "geometry": segment.geometry},
             name=f"shminfer-{self.name}-cpu{cpu}",
         )
         process.start()

@@ -25,6 +25,7 @@ from shminfer.queue import DONE, ERROR, PROCESSING, WORKER_READY, Segment
 
 # A lost wake-up cannot hang the worker: the doorbell futex wait is bounded by this.
 _SAFETY_WAIT_S = 0.05
+MAX_ERROR = 1024  # bytes of error text in an ERROR response
 
 
 def log_event(event: str, **fields) -> None:
@@ -88,11 +89,13 @@ def worker_main(
     slow_cpu_ms: float = 100.0,
     slow_wall_ms: float = 200.0,
     wait_mode: str = "futex",
+    geometry=None,
 ) -> None:
     _die_with_parent()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
-    segment = Segment.attach(segment_name)
+    # The geometry comes from the supervisor: the header is writable by every client.
+    segment = Segment.attach(segment_name, geometry=geometry)
     try:
         backend = make_backend(backend_name)
         backend.load(model, threads)
@@ -218,10 +221,18 @@ class Worker:
             if not claimed:
                 self._wait_for_work()
                 continue
-            self._serve(claimed)
+            try:
+                self._serve(claimed)
+            except (
+                Exception
+            ) as exc:  # a bug or a peer's scribble must cost one batch, not the worker
+                log_event("batch_failed", cpu=self.cpu, error=repr(exc)[:500])
+                for index in claimed:
+                    if self.seg.state_words[index] == PROCESSING:
+                        self._fail(index, f"request failed in the worker: {exc!r}"[:500])
 
     def _fail(self, index, message):
-        raw = message.encode()[: self.seg.response_bytes]
+        raw = message.encode("utf-8", "replace")[: min(self.seg.response_bytes, MAX_ERROR)]
         self.responses[index][: len(raw)] = raw
         self.seg.slot_set(index, "response_len", len(raw))
         self.seg.slot_set(index, "response_seq", self.tags[index])
@@ -244,6 +255,8 @@ class Worker:
                 batch.append((index, inputs, rows.pop()))
             except PayloadError as exc:
                 self._fail(index, f"bad request: {exc}")
+            except Exception as exc:  # whatever a peer wrote, it fails that slot only
+                self._fail(index, f"bad request: {exc!r}")
         if len(batch) == 1:
             self._run_group(batch, start_ns)
             return
@@ -260,10 +273,15 @@ class Worker:
         if len(entries) == 1:
             merged = entries[0][1]
         else:
-            merged = {
-                name: np.concatenate([e[1][name] for e in entries], axis=0)
-                for name in entries[0][1]
-            }
+            try:
+                merged = {
+                    name: np.concatenate([e[1][name] for e in entries], axis=0)
+                    for name in entries[0][1]
+                }
+            except (ValueError, TypeError, MemoryError):
+                for entry in entries:  # cannot merge: one model call each
+                    self._run_group([entry], start_ns)
+                return
         total_rows = sum(e[2] for e in entries)
         self.policy.busy()
         wall0 = time.perf_counter_ns()
@@ -272,8 +290,12 @@ class Worker:
         try:
             outputs = self.backend.infer(merged)
             error = None
-        except (BackendError, ValueError, TypeError, KeyError) as exc:
+            if not isinstance(outputs, dict):
+                raise BackendError(f"the backend returned {type(outputs).__name__}, not a dict")
+        except BackendError as exc:
             outputs, error = None, str(exc)
+        except Exception as exc:  # an engine's error for one batch
+            outputs, error = None, repr(exc)
         wall = time.perf_counter_ns() - wall0
         cpu = time.process_time_ns() - cpu0
         thread = time.thread_time_ns() - thread0
@@ -291,7 +313,7 @@ class Worker:
             row += rows
             try:
                 length = self.encoder.encode_into(self.responses[index], part, slot=index)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:
                 self._fail(
                     index,
                     f"response does not fit: {exc}; send smaller batches or start the server "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -14,8 +16,9 @@ import uuid
 import numpy as np
 import pytest
 
-from shminfer.client import Client, InferenceError
-from shminfer.queue import PROCESSING, QueueError
+from shminfer.client import Client, InferenceError, Pending
+from shminfer.codec import Decoder, PayloadError
+from shminfer.queue import DONE, ERROR, PROCESSING, QueueError
 from shminfer.server import Server
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -143,3 +146,133 @@ def test_every_response_carries_the_request_tag_the_client_checks():
         with pytest.raises(InferenceError, match="another request"):
             client.finish(pending, timeout=20)
         assert np.all(client.infer(_x(6.0), timeout=20)["y"] == 6.0)
+
+
+# ---------------------------------------------------------------- 2: validation
+
+
+def _descriptor(name=b"x", dtype=b"<f4", dims=(1, 4), offset=64, nbytes=None, *, count=1):
+    """A hand-made payload descriptor, as a hostile peer would write it."""
+    if nbytes is None:
+        nbytes = 4 * int(np.prod([d % 1000 for d in dims]))
+    body = struct.pack("<H", count) + bytes([len(name)]) + name + bytes([len(dtype)]) + dtype
+    body += bytes([len(dims)]) + b"".join(struct.pack("<Q", d) for d in dims)
+    body += struct.pack("<QQ", offset, nbytes)
+    return struct.pack("<I", len(body)) + body
+
+
+CRAFTED = {
+    "2^32 x 2^32, 0 bytes": _descriptor(dims=(2**32, 2**32), nbytes=0, offset=1024),
+    "65 dims": _descriptor(dims=(1,) * 65, nbytes=4, offset=1024),
+    "(2^62+1, 4)": _descriptor(dims=(2**62 + 1, 4), nbytes=16, offset=1024),
+    "object dtype": _descriptor(dtype=b"|O8", nbytes=32, offset=1024),
+    "void dtype": _descriptor(dtype=b"|V4096", nbytes=4096, offset=1024),
+    "structured dtype": _descriptor(dtype=b"[('a','<i4')]", offset=1024),
+    "bad utf-8 name": _descriptor(name=b"\xff\xfe", offset=1024),
+    "65535 arrays": struct.pack("<IH", 2, 65535),
+    "misaligned": _descriptor(offset=1025),
+    "overlaps the header": _descriptor(offset=0),
+}
+
+
+@pytest.mark.parametrize("payload", list(CRAFTED.values()), ids=list(CRAFTED))
+def test_the_decoder_refuses_crafted_descriptors(payload):
+    buf = memoryview(bytearray(8192))
+    buf[: len(payload)] = payload
+    with pytest.raises(PayloadError):
+        Decoder().decode(buf, 8192)
+
+
+def _scribble_request(client, payload, length=None):
+    """Write ``payload`` into one of this client's slots and submit it by hand."""
+    lane = client.lanes[0]
+    slot = lane.free.pop()
+    lane.requests[slot][: len(payload)] = payload
+    seg = lane.seg
+    seg.slot_set(slot, "request_len", len(payload) if length is None else length)
+    seq = (lane.generation[slot] << 32) | 0xFFFF0000
+    seg.slot_set(slot, "seq", seq)
+    seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
+    seg.state_words[slot] = 2  # READY
+    seg.ring_doorbell()
+    return Pending(0, slot, seq, time.monotonic() + 20)
+
+
+def test_crafted_requests_fail_alone_and_the_worker_keeps_serving_others():
+    with (
+        serving(backend="sleep", model="100", slots=32) as server,
+        Client(server.name, slots_per_worker=16) as hostile,
+        Client(server.name, slots_per_worker=2) as honest,
+    ):
+        honest.wait_ready(60)
+        worker_pid = honest.lanes[0].seg.get("worker_pid")
+        mine = honest.start(_x(42.0))
+        crafted = [_scribble_request(hostile, p) for p in CRAFTED.values()]
+        crafted.append(_scribble_request(hostile, CRAFTED["65 dims"], length=2**32 - 1))
+        for pending in crafted:
+            with pytest.raises(InferenceError, match="bad request"):
+                hostile.finish(pending, timeout=20)
+        assert np.all(honest.finish(mine, timeout=20)["y"] == 42.0)
+        assert np.all(honest.infer(_x(43.0), timeout=20)["y"] == 43.0)
+        assert honest.lanes[0].seg.get("worker_pid") == worker_pid, "the worker died"
+        assert server.restarts[server.cpus[0]] == 0
+
+
+def test_garbage_state_words_and_error_text_are_refused_not_accepted():
+    with serving(backend="sleep", model="150", slots=4) as server, Client(server.name) as client:
+        client.wait_ready(60)
+        lane = client.lanes[0]
+        seg = lane.seg
+        # A peer sets the state to DONE while the worker computes: the old response in the
+        # slot (the previous answer, under its own tag) must not be taken for this one.
+        assert np.all(client.infer(_x(1.0), timeout=20)["y"] == 1.0)
+        refused = 0
+        for value in (2.0, 3.0, 4.0, 5.0):
+            pending = client.start(_x(value))
+            _wait_for(lambda p=pending: seg.state_words[p.slot] == PROCESSING, 10, "claim")
+            seg.state_words[pending.slot] = DONE if value % 2 else 0x4D
+            with pytest.raises(InferenceError, match=r"another request|state word"):
+                client.finish(pending, timeout=20)
+            refused += 1
+            time.sleep(0.3)  # the worker's late answer lands in the slot
+        assert refused == 4
+        # Binary garbage as error text is bounded and printable.
+        slot = lane.free.pop()
+        seq = (lane.generation[slot] << 32) | 0xABCD
+        garbage = b"\x1b[2J\x00\xff\xfe" * 10000
+        lane.responses[slot][: len(garbage)] = garbage
+        seg.slot_set(slot, "response_len", len(garbage))
+        seg.slot_set(slot, "response_seq", seq)
+        seg.state_words[slot] = ERROR
+        with pytest.raises(InferenceError) as caught:
+            client.finish(Pending(0, slot, seq, time.monotonic() + 5))
+        text = str(caught.value)
+        assert len(text) <= 1024 and text.isprintable() and "\x1b" not in text
+        # The client keeps working once the worker's late answers are in.
+        time.sleep(0.5)
+        assert np.all(client.infer(_x(6.0), timeout=20)["y"] == 6.0)
+
+
+def test_a_scribbled_header_does_not_crash_loop_the_restarted_worker():
+    with serving(slots=4) as server, Client(server.name) as client:
+        client.wait_ready(60)
+        seg = client.lanes[0].seg
+        for key, value in (
+            ("slot_count", 0xFFFFFFFF),
+            ("request_bytes", 2**63),
+            ("response_bytes", 3),
+            ("ring_records", 0),
+            ("model_len", 0xFFFFFFFF),
+        ):
+            seg.set(key, value)
+        old = seg.get("worker_pid")
+        os.kill(old, signal.SIGKILL)
+        _wait_for(
+            lambda: seg.get("worker_pid") not in (0, old) and seg.get("worker_state") == 1,
+            30,
+            "a restarted worker",
+        )
+        assert np.all(client.infer(_x(7.0), timeout=20)["y"] == 7.0)
+        time.sleep(0.5)
+        assert server.restarts[server.cpus[0]] == 1, "the worker crash-loops"
+        client.model  # noqa: B018 - must not raise on a scribbled model description
