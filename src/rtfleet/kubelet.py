@@ -132,6 +132,195 @@ _DURATION_NS["h"] = 3600 * 10**9
 _HUGEPAGES = re.compile(r"^hugepages-([0-9]+(?:Ki|Mi|Gi))$")
 
 
+# ------------------------------------------------------------------ feature gates
+# Names kubelet registers, from kubernetes/kubernetes pkg/features/kube_features.go and
+# versioned_kube_features.go at two commits: 0021731d (1.32 development: the 1.31 gates plus
+# the new 1.32 ones) and b0b89d3b (1.33), including the k8s.io/apiserver, apiextensions,
+# controller-manager and zpages gates those files register. kubelet refuses a name it does
+# not know ("unrecognized feature gate"), so for kubelet 1.31-1.33 an unknown name is an
+# error; outside those versions the table is not complete and an unknown name is a warning.
+_GATES_1_31_TO_1_33 = frozenset(
+    """
+    APIResponseCompression APIServerIdentity APIServerTracing APIServingWithRoutine
+    AllowDNSOnlyNodeCSR AllowInsecureKubeletCertificateSigningRequests
+    AllowOverwriteTerminationGracePeriodSeconds AnonymousAuthConfigurableEndpoints
+    AnyVolumeDataSource AuthorizeNodeWithSelectors AuthorizeWithSelectors
+    CPUManagerPolicyAlphaOptions CPUManagerPolicyBetaOptions CPUManagerPolicyOptions
+    CRDValidationRatcheting CSIMigrationPortworx CSIVolumeHealth CloudControllerManagerWebhook
+    ClusterTrustBundle ClusterTrustBundleProjection ConcurrentWatchObjectDecode
+    ConsistentListFromCache ContainerCheckpoint CoordinatedLeaderElection
+    CronJobsScheduledAnnotation CrossNamespaceVolumeDataSource CustomCPUCFSQuotaPeriod
+    CustomResourceFieldSelectors DevicePluginCDIDevices DisableAllocatorDualWrite
+    DisableNodeKubeProxyVersion DynamicResourceAllocation ElasticIndexedJob EventedPLEG
+    ExecProbeTimeout GracefulNodeShutdown GracefulNodeShutdownBasedOnPodPriority HPAScaleToZero
+    HonorPVReclaimPolicy ImageMaximumGCAge ImageVolume InPlacePodVerticalScaling
+    InTreePluginPortworxUnregister JobBackoffLimitPerIndex JobManagedBy JobPodReplacementPolicy
+    JobSuccessPolicy KMSv1 KubeletCgroupDriverFromCRI KubeletFineGrainedAuthz
+    KubeletInUserNamespace KubeletPodResourcesDynamicResources KubeletPodResourcesGet
+    KubeletRegistrationGetOnExistsOnly KubeletSeparateDiskGC KubeletTracing LoadBalancerIPMode
+    LocalStorageCapacityIsolationFSQuotaMonitoring LogarithmicScaleDown
+    MatchLabelKeysInPodAffinity MatchLabelKeysInPodTopologySpread MaxUnavailableStatefulSet
+    MemoryManager MemoryQoS MultiCIDRServiceAllocator MutatingAdmissionPolicy NFTablesProxyMode
+    NodeInclusionPolicyInPodTopologySpread NodeLogQuery NodeSwap OpenAPIEnums
+    PodAndContainerStatsFromCRI PodDeletionCost PodDisruptionConditions PodIndexLabel
+    PodLifecycleSleepAction PodReadyToStartContainersCondition PodSchedulingReadiness
+    PortForwardWebsockets ProcMountType QOSReserved RecoverVolumeExpansionFailure
+    RecursiveReadOnlyMounts RelaxedDNSSearchValidation RelaxedEnvironmentVariableValidation
+    ReloadKubeletServerCertificateFile ResilientWatchCacheInitialization ResourceHealthStatus
+    RetryGenerateName RotateKubeletServerCertificate RuntimeClassInImageCriApi
+    SELinuxChangePolicy SELinuxMount SELinuxMountReadWriteOncePod SchedulerQueueingHints
+    SeparateCacheWatchRPC SeparateTaintEvictionController ServiceAccountTokenJTI
+    ServiceAccountTokenNodeBinding ServiceAccountTokenNodeBindingValidation
+    ServiceAccountTokenPodNodeInfo ServiceTrafficDistribution SidecarContainers
+    SizeMemoryBackedVolumes StatefulSetAutoDeletePVC StatefulSetStartOrdinal
+    StorageNamespaceIndex StorageVersionAPI StorageVersionHash StorageVersionMigrator
+    StrictCostEnforcementForVAP StrictCostEnforcementForWebhooks
+    StructuredAuthenticationConfiguration StructuredAuthorizationConfiguration
+    SupplementalGroupsPolicy TopologyAwareHints TopologyManagerPolicyAlphaOptions
+    TopologyManagerPolicyBetaOptions TopologyManagerPolicyOptions
+    TranslateStreamCloseWebsocketRequests UnauthenticatedHTTP2DOSMitigation
+    UnknownVersionInteroperabilityProxy UserNamespacesPodSecurityStandards
+    UserNamespacesSupport VolumeAttributesClass WatchCacheInitializationPostStartHook
+    WatchFromStorageWithoutResourceVersion WatchList WinDSR WinOverlay WindowsHostNetwork
+""".split()  # noqa: SIM905
+)
+_GATES_UNTIL_1_32 = frozenset(  # gone from the 1.33 table
+    """
+    APIListChunking AdmissionWebhookMatchConditions AggregatedDiscoveryEndpoint AppArmor
+    AppArmorFields CPUManager DisableCloudProviders DisableKubeletCloudCredentialProviders
+    EfficientWatchResumption HPAContainerMetrics JobPodFailurePolicy
+    KubeProxyDrainingTerminatingNodes PDBUnhealthyPodEvictionPolicy
+    PersistentVolumeLastPhaseTransitionTime PodHostIPs RemainingItemCount
+    VolumeCapacityPriority WatchBookmark ZeroLimitedNominalConcurrencyShares
+""".split()  # noqa: SIM905
+)
+_GATES_FROM_1_33 = frozenset(
+    """
+    AggregatedDiscoveryRemoveBetaType AllowParsingUserUIDFromCertAuth
+    AllowServiceLBStatusOnNonLB AllowUnsafeMalformedObjectDeletion BtreeWatchCache
+    CBORServingAndStorage ComponentFlagz ComponentStatusz ContainerStopSignals DRAAdminAccess
+    DRADeviceTaints DRAPartitionableDevices DRAPrioritizedList DRAResourceClaimDeviceStatus
+    DeclarativeValidation DeclarativeValidationTakeover DeploymentReplicaSetTerminatingReplicas
+    DisableCPUQuotaWithExclusiveCPUs ExternalServiceAccountTokenSigner GitRepoVolumeDriver
+    HPAConfigurableTolerance InPlacePodVerticalScalingAllocatedStatus
+    InPlacePodVerticalScalingExclusiveCPUs KubeletCrashLoopBackOffMax
+    KubeletEnsureSecretPulledImages KubeletPSI KubeletServiceAccountTokenForCredentialProviders
+    LegacySidecarContainers ListFromCacheSnapshot MutableCSINodeAllocatableCount
+    OrderedNamespaceDeletion PodLevelResources PodLifecycleSleepActionAllowZero
+    PodLogsQuerySplitStreams PodObservedGenerationTracking PodTopologyLabelsAdmission
+    PreferSameTrafficDistribution ReduceDefaultCrashLoopBackOffDecay RemoteRequestHeaderUID
+    SchedulerAsyncPreemption SchedulerPopFromBackoffQ ServiceAccountNodeAudienceRestriction
+    StorageCapacityScoring StreamingCollectionEncodingToJSON
+    StreamingCollectionEncodingToProtobuf StrictIPCIDRValidation SystemdWatchdog
+    WindowsCPUAndMemoryAffinity WindowsGracefulNodeShutdown
+""".split()  # noqa: SIM905
+)
+# Registered outside pkg/features: featuregate's AllAlpha/AllBeta, component-base/logs/api/v1
+# and client-go's features (wired into kubelet's gate by AddFeaturesToExistingFeatureGates).
+_GATES_COMPONENT = frozenset(
+    """
+    AllAlpha AllBeta ContextualLogging LoggingAlphaOptions LoggingBetaOptions ClientsAllowCBOR
+    ClientsPreferCBOR InformerResourceVersion InOrderInformers WatchListClient
+""".split()  # noqa: SIM905
+)
+GATE_TABLE_VERSIONS = ((1, 31), (1, 33))
+# Gates locked to their default (LockToDefault, from the same two commits): kubelet refuses
+# any other value ("cannot set feature gate X to false, feature is locked to true").
+# name -> (first locked version, locked value). TopologyManagerPolicyOptions is GA in 1.32
+# but not locked, so false is still accepted there.
+LOCKED_FEATURE_GATES = {
+    "CPUManager": ((1, 26), True),
+    "MemoryManager": ((1, 32), True),
+    "CPUManagerPolicyOptions": ((1, 33), True),
+    "WatchBookmark": ((1, 17), True),
+    "EfficientWatchResumption": ((1, 24), True),
+    "APIListChunking": ((1, 29), True),
+    "RemainingItemCount": ((1, 29), True),
+    "AdmissionWebhookMatchConditions": ((1, 30), True),
+    "AggregatedDiscoveryEndpoint": ((1, 30), True),
+    "PodSchedulingReadiness": ((1, 30), True),
+    "ZeroLimitedNominalConcurrencyShares": ((1, 30), True),
+    "AppArmor": ((1, 31), True),
+    "AppArmorFields": ((1, 31), True),
+    "DevicePluginCDIDevices": ((1, 31), True),
+    "DisableCloudProviders": ((1, 31), True),
+    "DisableKubeletCloudCredentialProviders": ((1, 31), True),
+    "ElasticIndexedJob": ((1, 31), True),
+    "LogarithmicScaleDown": ((1, 31), True),
+    "PodDisruptionConditions": ((1, 31), True),
+    "StatefulSetStartOrdinal": ((1, 31), True),
+    "AllowServiceLBStatusOnNonLB": ((1, 32), False),
+    "CronJobsScheduledAnnotation": ((1, 32), True),
+    "CustomResourceFieldSelectors": ((1, 32), True),
+    "LoadBalancerIPMode": ((1, 32), True),
+    "PodIndexLabel": ((1, 32), True),
+    "RetryGenerateName": ((1, 32), True),
+    "ServiceAccountTokenJTI": ((1, 32), True),
+    "ServiceAccountTokenNodeBindingValidation": ((1, 32), True),
+    "ServiceAccountTokenPodNodeInfo": ((1, 32), True),
+    "SizeMemoryBackedVolumes": ((1, 32), True),
+    "StatefulSetAutoDeletePVC": ((1, 32), True),
+    "StrictCostEnforcementForVAP": ((1, 32), True),
+    "StrictCostEnforcementForWebhooks": ((1, 32), True),
+    "StructuredAuthorizationConfiguration": ((1, 32), True),
+    "AnyVolumeDataSource": ((1, 33), True),
+    "BtreeWatchCache": ((1, 33), True),
+    "CRDValidationRatcheting": ((1, 33), True),
+    "CSIMigrationPortworx": ((1, 33), True),
+    "HonorPVReclaimPolicy": ((1, 33), True),
+    "JobBackoffLimitPerIndex": ((1, 33), True),
+    "JobSuccessPolicy": ((1, 33), True),
+    "MatchLabelKeysInPodAffinity": ((1, 33), True),
+    "NFTablesProxyMode": ((1, 33), True),
+    "NodeInclusionPolicyInPodTopologySpread": ((1, 33), True),
+    "RecursiveReadOnlyMounts": ((1, 33), True),
+    "ServiceAccountTokenNodeBinding": ((1, 33), True),
+    "ServiceTrafficDistribution": ((1, 33), True),
+    "SidecarContainers": ((1, 33), True),
+    "TopologyAwareHints": ((1, 33), True),
+    "WatchFromStorageWithoutResourceVersion": ((1, 33), False),
+}
+
+
+def known_feature_gates(version):
+    """The gate names kubelet ``version`` registers, or None when rtfleet's table lacks it."""
+    first, last = GATE_TABLE_VERSIONS
+    if not first <= version <= last:
+        return None
+    names = _GATES_1_31_TO_1_33 | _GATES_COMPONENT
+    if version <= (1, 32):
+        # The 1.32-development commit predates some 1.32 gates that the 1.33 table lists
+        # (DRAAdminAccess, AllowServiceLBStatusOnNonLB): accept both tables' names there.
+        return names | _GATES_UNTIL_1_32 | _GATES_FROM_1_33
+    return names | _GATES_FROM_1_33
+
+
+def _check_feature_gates(gates, version, errors):
+    known = known_feature_gates(version)
+    for gate, value in sorted(gates.items()):
+        if known is not None and gate not in known:
+            close = sorted(n for n in known if n.lower() == str(gate).lower())
+            errors.append(
+                "featureGates.%s: kubelet %d.%d has no such feature gate (it refuses to start: "
+                "unrecognized feature gate)%s: fix or remove it in rtfleet_kubelet_feature_gates"
+                % ((gate, *version, "; did you mean %s?" % close[0] if close else ""))
+            )
+            continue
+        locked = LOCKED_FEATURE_GATES.get(gate)
+        if locked and version >= locked[0] and isinstance(value, bool) and value != locked[1]:
+            errors.append(
+                "featureGates.%s=%s: the gate is locked to %s since kubelet %d.%d (%s), so kubelet "
+                "refuses to start: remove it from rtfleet_kubelet_feature_gates"
+                % (
+                    gate,
+                    str(value).lower(),
+                    str(locked[1]).lower(),
+                    *locked[0],
+                    "GA" if locked[1] else "deprecated",
+                )
+            )
+
+
 class KubeletConfigError(Exception):
     """Settings that cannot produce a kubelet configuration; the message says what to change."""
 
@@ -150,14 +339,15 @@ def parse_version(text):
 
 
 def parse_cpuset(text):
-    """Kubelet's cpuset syntax ("0-3,8", no strides): sorted ints; ValueError when malformed."""
-    text = str(text).strip()
-    if ":" in text:
-        raise ValueError("%r has a ':' stride, which kubelet's cpuset syntax lacks" % text)
+    """Kubelet's cpuset syntax (k8s.io/utils/cpuset Parse): sorted ints; ValueError if not.
+
+    The strict mode of rtfleet's one cpulist parser: "" is empty, otherwise "N" / "N-M" items
+    joined by "," with no spaces, no empty item ("0-3," fails) and no stride.
+    """
     try:
-        return parse_cpulist(text)
+        return parse_cpulist(str(text), "reservedSystemCPUs", strict=True)
     except TopologyError as exc:
-        raise ValueError(str(exc)) from None
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
 
 
 # [0, 1, 2, 8] -> "0-2,8": the same spelling kubelet uses.
@@ -295,8 +485,36 @@ def config_target(version, mode):
 # ------------------------------------------------------------------ rendering
 
 
+# kubelet's evictionHard memory.available when the config names none (pkg/kubelet/apis/
+# config/v1beta1 defaults): the Static Memory Manager counts it in the reservation all the same.
+DEFAULT_EVICTION_MEMORY = "100Mi"
+
+
 def _numa_nodes(topology):
+    """Nodes with CPUs (where housekeeping, runtime and pods run)."""
     return [n for n in topology.get("numa_nodes", []) if n.get("cpus")]
+
+
+def kubelet_numa_nodes(topology):
+    """Every node kubelet sees (cadvisor lists each nodeN/ directory): CPU-less CXL nodes
+    included, an offline memoryless node (no directory) not."""
+    return [n for n in topology.get("numa_nodes", []) if n.get("online", True)]
+
+
+def _reservable_nodes(topology):
+    """Nodes the automatic reservedMemory split uses: kubelet-visible, with CPUs and memory."""
+    return [
+        n
+        for n in kubelet_numa_nodes(topology)
+        if n.get("cpus") and n.get("has_memory", True) and n.get("memory_kb") != 0
+    ]
+
+
+def _eviction_memory(config):
+    """evictionHard memory.available as kubelet applies it (its default when absent)."""
+    eviction = config.get("evictionHard") or {}
+    value = eviction.get("memory.available")
+    return DEFAULT_EVICTION_MEMORY if value is None else value
 
 
 def _memory_reservation_total(config):
@@ -306,16 +524,16 @@ def _memory_reservation_total(config):
         for name, value in (config.get(section) or {}).items():
             if name == "memory" or _HUGEPAGES.match(name):
                 totals[name] = totals.get(name, Fraction(0)) + parse_quantity(value)
-    eviction = (config.get("evictionHard") or {}).get("memory.available")
-    if eviction is not None and not str(eviction).strip().endswith("%"):
+    eviction = _eviction_memory(config)
+    if not str(eviction).strip().endswith("%"):
         totals["memory"] = totals.get("memory", Fraction(0)) + parse_quantity(eviction)
     return totals
 
 
 def _auto_reserved_memory(config, topology):
     """Split each reserved memory type evenly over the NUMA nodes (node 0 takes the rest)."""
-    nodes = [n["id"] for n in _numa_nodes(topology)] or [0]
-    eviction = str((config.get("evictionHard") or {}).get("memory.available", "")).strip()
+    nodes = [n["id"] for n in _reservable_nodes(topology)] or [0]
+    eviction = str(_eviction_memory(config)).strip()
     if eviction.endswith("%"):
         raise KubeletConfigError(
             "evictionHard memory.available is %s (a percentage), but the Static Memory Manager "
@@ -398,7 +616,7 @@ def render(plan, topology, settings):
     if cpu_options:
         config["cpuManagerPolicyOptions"] = cpu_options
     topo_options = dict(settings["topology_manager_policy_options"])
-    node_count = len(_numa_nodes(topology))
+    node_count = len(kubelet_numa_nodes(topology))
     if (
         node_count > DEFAULT_MAX_NUMA_NODES
         and settings["topology_manager_policy"] != "none"
@@ -434,6 +652,15 @@ def render(plan, topology, settings):
             if level in stages:
                 gates[_LEVEL_GATES[kind][level]] = True
     gates.update(settings["feature_gates"])
+    if settings["feature_gates"] and known_feature_gates(version) is None:
+        every = _GATES_1_31_TO_1_33 | _GATES_UNTIL_1_32 | _GATES_FROM_1_33 | _GATES_COMPONENT
+        unknown = sorted(g for g in settings["feature_gates"] if g not in every)
+        if unknown:
+            warnings.append(
+                "feature gates %s are not in rtfleet's gate table (kubelet %d.%d-%d.%d); kubelet "
+                "%d.%d refuses to start on a name it does not know: check the spelling"
+                % ((", ".join(unknown), *GATE_TABLE_VERSIONS[0], *GATE_TABLE_VERSIONS[1], *version))
+            )
     if gates:
         config["featureGates"] = gates
     config = merge(config, settings["extra"])
@@ -529,9 +756,10 @@ def validate(config, topology, settings, plan=None):
                 "featureGates.%s must be true or false, got %r: fix rtfleet_kubelet_feature_gates"
                 % (gate, value)
             )
+    _check_feature_gates(gates, version, errors)
     allow_alpha = settings["allow_alpha_options"]
     online = set(topology.get("cpus") or [])
-    nodes = _numa_nodes(topology)
+    nodes = kubelet_numa_nodes(topology)
     node_ids = {n["id"] for n in nodes} or {0}
 
     cpu_policy = config.get("cpuManagerPolicy", "none")
@@ -623,10 +851,11 @@ def validate(config, topology, settings, plan=None):
                 "use restricted or best-effort, or drop the option"
             )
         sockets = len(topology.get("packages") or []) or 1
-        if sockets > len(nodes or [0]):
+        cpu_nodes = _numa_nodes(topology)
+        if sockets > len(cpu_nodes or [0]):
             errors.append(
                 "align-by-socket needs at least as many NUMA nodes as sockets (this host has %d "
-                "sockets, %d NUMA nodes): drop the option" % (sockets, len(nodes or [0]))
+                "sockets, %d NUMA nodes): drop the option" % (sockets, len(cpu_nodes or [0]))
             )
 
     duration = config.get("cpuManagerReconcilePeriod")
@@ -657,6 +886,13 @@ def validate(config, topology, settings, plan=None):
         "topology", topo_options, version, gates=gates, allow_alpha=allow_alpha, errors=errors
     )
     if len(nodes) > DEFAULT_MAX_NUMA_NODES and topo_policy != "none":
+        without_cpus = [n["id"] for n in nodes if not n.get("cpus")]
+        cpuless = (
+            " (CPU-less %s included: the Topology Manager counts every node)"
+            % format_cpuset(without_cpus)
+            if without_cpus
+            else ""
+        )
         limit = topo_options.get("max-allowable-numa-nodes", "")
         allowed = int(limit) if re.match(r"^\d+$", limit) else DEFAULT_MAX_NUMA_NODES
         if allowed < len(nodes):
@@ -666,16 +902,16 @@ def validate(config, topology, settings, plan=None):
                 min(version, NEWEST_KNOWN_VERSION),
             ):
                 errors.append(
-                    "this host has %d NUMA nodes and the Topology Manager refuses more than %d: "
-                    "set topology_manager_policy_options max-allowable-numa-nodes to %d or more"
-                    % (len(nodes), allowed, len(nodes))
+                    "this host has %d NUMA nodes%s and the Topology Manager refuses more than "
+                    "%d: set topology_manager_policy_options max-allowable-numa-nodes to %d or "
+                    "more" % (len(nodes), cpuless, allowed, len(nodes))
                 )
             else:
                 errors.append(
-                    "this host has %d NUMA nodes; kubelet %d.%d's Topology Manager refuses more "
-                    "than 8 (max-allowable-numa-nodes came in 1.31): upgrade kubelet, set "
+                    "this host has %d NUMA nodes%s; kubelet %d.%d's Topology Manager refuses "
+                    "more than 8 (max-allowable-numa-nodes came in 1.31): upgrade kubelet, set "
                     "topology_manager_policy none, or fold nodes in the BIOS (NPS1)"
-                    % ((len(nodes), *version))
+                    % ((len(nodes), cpuless, *version))
                 )
 
     errors.extend(_validate_memory(config, topology, node_ids))
@@ -742,7 +978,7 @@ def _validate_memory(config, topology, node_ids):
                 per_node_bytes[node] = per_node_bytes.get(node, Fraction(0)) + amount
     if policy != "Static":
         return errors
-    eviction = str((config.get("evictionHard") or {}).get("memory.available", "")).strip()
+    eviction = str(_eviction_memory(config)).strip()
     if eviction.endswith("%"):
         errors.append(
             "evictionHard memory.available is %s (a percentage); the Static Memory Manager needs "
@@ -770,10 +1006,15 @@ def _validate_memory(config, topology, node_ids):
                 "refuses to start unless they are equal: fix reservedMemory or use "
                 'reserved_memory: "auto"' % (name, format_bytes(have), name, format_bytes(want))
             )
-    capacity = {n["id"]: n.get("memory_kb") for n in _numa_nodes(topology)}
+    capacity = {n["id"]: n.get("memory_kb") for n in kubelet_numa_nodes(topology)}
     for node, amount in sorted(per_node_bytes.items()):
         memory_kb = capacity.get(node)
-        if memory_kb and amount > memory_kb * 1024:
+        if memory_kb == 0:
+            errors.append(
+                "reservedMemory reserves %s on NUMA node %d, which has no memory (memoryless): "
+                "move it to a node with memory" % (format_bytes(amount), node)
+            )
+        elif memory_kb and amount > memory_kb * 1024:
             errors.append(
                 "reservedMemory reserves %s on NUMA node %d, which has only %s: lower it"
                 % (format_bytes(amount), node, format_bytes(memory_kb * 1024))

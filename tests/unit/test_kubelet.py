@@ -308,7 +308,11 @@ def test_bad_quantities(text):
             "not a whole number of pages",
         ),
         (
-            {"kube_reserved": {}, "system_reserved": {}, "eviction_hard": {}},
+            {
+                "kube_reserved": {},
+                "system_reserved": {},
+                "eviction_hard": {"memory.available": "0"},
+            },
             None,
             "needs a memory reservation",
         ),
@@ -677,3 +681,135 @@ def test_role_merges_into_the_main_config_before_kubelet_1_30(trees, node):
     assert "cgroupDriver: systemd" in (backup / "config.yaml").read_text()
     run, report = _run_role(node, root, rtfleet_kubelet_version="1.29")
     assert run.returncode == 0 and _stats(report)["changed"] == 0
+
+
+# ------------------------------------------------------------------ issue 11 item 4
+
+
+@pytest.mark.parametrize("reserved", ["0-3,", "0-3, 64", " 0-3", "0,,1", "0-3:2", "0-3\n"])
+def test_reserved_cpus_kubelet_cannot_parse_are_refused(epyc, reserved):
+    """kubelet's cpuset.Parse takes neither spaces nor empty items: "0-3," fails there."""
+    errors = _errors(epyc, reserved_system_cpus=reserved)
+    assert any("unable to parse reservedSystemCPUs" in e for e in errors), errors
+    errors = _errors(epyc, extra={"reservedSystemCPUs": reserved})
+    assert any("unable to parse reservedSystemCPUs" in e for e in errors), errors
+    with pytest.raises(ValueError):
+        kubelet.parse_cpuset(reserved)
+
+
+def test_reserved_cpus_kubelet_parses_are_accepted(epyc):
+    _, plan = epyc
+    spelled = plan["kubelet"]["reservedSystemCPUs"]
+    assert not [e for e in _errors(epyc, reserved_system_cpus=spelled) if "parse" in e]
+    assert kubelet.parse_cpuset("") == [] and kubelet.parse_cpuset("3-3,1") == [1, 3]
+
+
+def test_empty_eviction_hard_counts_kubelets_100mi_default(epyc):
+    """evictionHard {} (or no memory.available): kubelet still evicts at 100Mi, and the
+    Static Memory Manager wants reservedMemory == kubeReserved + systemReserved + 100Mi."""
+    for eviction in ({}, {"nodefs.available": "10%"}):
+        result = _build(epyc, eviction_hard=eviction)
+        total = sum(
+            kubelet.parse_quantity(e["limits"]["memory"])
+            for e in result["config"]["reservedMemory"]
+        )
+        assert total == 1024 * 2**20 + 100 * 2**20  # 512Mi + 512Mi + 100Mi
+    topology, _ = epyc
+    nodes = [n["id"] for n in topology["numa_nodes"]]
+    without_default = [{"numaNode": n, "limits": {"memory": "256Mi"}} for n in nodes]
+    errors = _errors(epyc, eviction_hard={}, reserved_memory=without_default)
+    assert any("adds up to 1Gi" in e and "is 1124Mi" in e for e in errors), errors
+    with_default = copy.deepcopy(without_default)
+    with_default[0]["limits"]["memory"] = "356Mi"
+    assert not _errors(epyc, eviction_hard={}, reserved_memory=with_default)
+
+
+def _with_cxl_nodes(topology, cpu_nodes=8, cxl=2):
+    big = copy.deepcopy(topology)
+    cpus = big["cpus"]
+    share = len(cpus) // cpu_nodes
+    big["numa_nodes"] = [
+        {"id": i, "cpus": cpus[i * share : (i + 1) * share], "memory_kb": 2**24}
+        for i in range(cpu_nodes)
+    ] + [
+        {"id": cpu_nodes + i, "cpus": [], "memory_kb": 2**28, "has_memory": True}
+        for i in range(cxl)
+    ]
+    return big
+
+
+def test_cpuless_nodes_count_toward_the_eight_node_limit(epyc):
+    topology, plan = epyc
+    eight = _with_cxl_nodes(topology, cxl=0)
+    config, _ = kubelet.render(plan, eight, kubelet.normalize_settings({"kubelet_version": "1.34"}))
+    assert "topologyManagerPolicyOptions" not in config  # 8 nodes: no option needed
+    ten = _with_cxl_nodes(topology)
+    settings = kubelet.normalize_settings({"kubelet_version": "1.34"})
+    config, _ = kubelet.render(plan, ten, settings)
+    assert config["topologyManagerPolicyOptions"] == {"max-allowable-numa-nodes": "10"}
+    assert [e["numaNode"] for e in config["reservedMemory"]] == list(range(8))  # CPU nodes
+    assert not [e for e in kubelet.validate(config, ten, settings, plan) if "NUMA nodes" in e]
+    # 1.31-1.34: beta option behind TopologyManagerPolicyBetaOptions (on by default)
+    settings = kubelet.normalize_settings({"kubelet_version": "1.31"})
+    config, _ = kubelet.render(plan, ten, settings)
+    assert config["topologyManagerPolicyOptions"] == {"max-allowable-numa-nodes": "10"}
+    assert config["featureGates"]["TopologyManagerPolicyBetaOptions"] is True
+    # An explicit limit below the real count is refused, naming the CPU-less nodes.
+    errors = _errors((ten, plan), topology_manager_policy_options={"max-allowable-numa-nodes": "8"})
+    assert any("10 NUMA nodes (CPU-less 8-9 included" in e for e in errors), errors
+    settings = kubelet.normalize_settings({"kubelet_version": "1.30"})
+    config, _ = kubelet.render(plan, ten, settings)
+    errors = kubelet.validate(config, ten, settings, plan)
+    assert any(
+        "10 NUMA nodes (CPU-less 8-9 included" in e and "upgrade kubelet" in e for e in errors
+    )
+
+
+@pytest.mark.parametrize("version", ["1.31", "1.32", "1.33"])
+def test_unknown_feature_gate_is_refused(epyc, version):
+    errors = _errors(epyc, kubelet_version=version, feature_gates={"MemoryManagr": True})
+    assert any(
+        "featureGates.MemoryManagr: kubelet" in e and "no such feature gate" in e for e in errors
+    ), errors
+    errors = _errors(epyc, kubelet_version=version, feature_gates={"memorymanager": True})
+    assert any("did you mean MemoryManager?" in e for e in errors), errors
+    assert not _errors(epyc, kubelet_version=version, feature_gates={"KubeletTracing": True})
+
+
+def test_gates_removed_or_added_follow_the_version(epyc):
+    # CPUManager is gone from the 1.33 table; DRADeviceTaints is new there.
+    assert any(
+        "no such feature gate" in e
+        for e in _errors(epyc, kubelet_version="1.33", feature_gates={"CPUManager": True})
+    )
+    assert not _errors(epyc, kubelet_version="1.32", feature_gates={"CPUManager": True})
+    assert not _errors(epyc, kubelet_version="1.33", feature_gates={"DRADeviceTaints": True})
+
+
+def test_unknown_gate_outside_the_table_is_a_warning_not_an_error(epyc):
+    result = _build(epyc, kubelet_version="1.34", feature_gates={"SomeNewGate": True})
+    assert any(
+        "SomeNewGate" in w and "not in rtfleet's gate table" in w for w in result["warnings"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "gates", "refused"),
+    [
+        ("1.31", {"MemoryManager": False}, False),  # beta in 1.31: may be turned off
+        ("1.32", {"MemoryManager": False}, True),  # GA and locked from 1.32
+        ("1.31", {"CPUManager": False}, True),  # GA and locked since 1.26
+        ("1.32", {"CPUManagerPolicyOptions": False}, False),  # beta until 1.33
+        ("1.33", {"CPUManagerPolicyOptions": False}, True),
+        ("1.32", {"TopologyManagerPolicyOptions": False}, False),  # GA 1.32 but not locked
+        ("1.33", {"SidecarContainers": False}, True),
+        ("1.32", {"AllowServiceLBStatusOnNonLB": True}, True),  # deprecated, locked to false
+        ("1.34", {"MemoryManager": False}, True),  # newer than the name table: lock still holds
+    ],
+)
+def test_locked_gate_set_against_its_lock_is_refused(epyc, version, gates, refused):
+    errors = _errors(epyc, kubelet_version=version, feature_gates=gates)
+    locked = [e for e in errors if "the gate is locked to" in e]
+    assert bool(locked) is refused, errors
+    if refused:
+        assert "kubelet refuses to start" in locked[0]
