@@ -584,6 +584,9 @@ def _write_misc(w: _Writer, shape: dict, recs, online) -> None:
         w.link("sys/class/dmi/id", "../../devices/virtual/dmi/id")
     for pmu, cpus in (shape.get("hybrid_pmus") or {}).items():
         w.put(f"sys/devices/{pmu}/cpus", cpus + "\n")
+    # The unified cgroup hierarchy (systemd's default since v247); a shape may say "v1".
+    if shape.get("cgroup", "v2") == "v2":
+        w.put("sys/fs/cgroup/cgroup.controllers", "cpuset cpu io memory hugetlb pids rdma misc\n")
     k = shape["kernel"]
     w.put("proc/version", k["version"] + "\n")
     w.put("proc/sys/kernel/osrelease", k["release"] + "\n")

@@ -126,3 +126,42 @@ def test_irqs_stay_off_the_isolated_cpus(host, rtfleet_plan, rtfleet_host_config
 def test_tuning_service_ran_at_boot(host):
     result = host.run("systemctl show -p UnitFileState -p Result rtfleet-host-tune.service")
     assert sorted(result.stdout.split()) == ["Result=success", "UnitFileState=enabled"]
+
+
+# One shell round trip: a transient service in system.slice reports the CPUs it may use and
+# tries to pin itself to a runtime CPU; a process moved from system.slice into kubepods.slice
+# (what runc does when it starts a pod's container) reports the CPUs it gets there. No kubelet
+# runs in the lab: kubepods.slice is the slice kubelet's systemd cgroup driver creates.
+_SLICE_PROBE = r"""
+set -u
+probe() { systemd-run --quiet --wait --pipe --collect "$@"; }
+echo "system=$(probe -p Slice=system.slice grep Cpus_allowed_list /proc/self/status | cut -f2)"
+if probe -p Slice=system.slice taskset -c %(runtime_cpu)s true 2>/dev/null; then
+  echo pin=allowed; else echo pin=refused; fi
+unit=rtfleet-probe-$$
+systemd-run --quiet --unit "$unit" -p Slice=system.slice sleep 30
+pid=$(systemctl show -P MainPID "$unit")
+systemctl start kubepods.slice 2>/dev/null || systemd-run --quiet -p Slice=kubepods.slice true
+mkdir -p /sys/fs/cgroup/kubepods.slice/rtfleet-probe
+echo "$pid" > /sys/fs/cgroup/kubepods.slice/rtfleet-probe/cgroup.procs
+echo "moved=$(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
+kill "$pid"; sleep 0.2; rmdir /sys/fs/cgroup/kubepods.slice/rtfleet-probe
+"""
+
+
+def test_system_services_stay_off_runtime_and_pod_cpus(host, rtfleet_plan):
+    runtime = rtfleet_plan["runtime"]
+    out = host.run(_SLICE_PROBE % {"runtime_cpu": runtime[0]})
+    seen = dict(line.split("=", 1) for line in out.stdout.split() if "=" in line)
+    housekeeping = set(rtfleet_plan["housekeeping"])
+    assert set(parse_cpulist(seen["system"])) <= housekeeping, out.stdout + out.stderr
+    assert seen["pin"] == "refused", "a system.slice process could pin itself to a runtime CPU"
+    # A pod's container is not held to system.slice's CPUs (the CPUAffinity= leak).
+    moved = set(parse_cpulist(seen["moved"]))
+    assert set(rtfleet_plan["pod_pool"]) <= moved, out.stdout + out.stderr
+
+
+def test_slice_dropins_hold_the_housekeeping_cpus(host, rtfleet_plan):
+    for unit in ("system.slice", "user.slice", "init.scope"):
+        allowed = host.run("systemctl show -P AllowedCPUs %s", unit).stdout.strip()
+        assert parse_cpulist(allowed) == rtfleet_plan["housekeeping"], unit

@@ -125,3 +125,16 @@ def test_intel_host_gets_intel_idle_limit(trees, tmp_path):
     assert run.returncode == 0, _failure(run)
     assert {"intel_idle.max_cstate=0", "processor.max_cstate=1"} <= set(args)
     assert not [a for a in args if a.startswith("amd_pstate")]
+
+
+def test_host_without_cgroup_v2_is_refused_before_anything_changes(tmp_path):
+    from sysfs_gen import build_tree, load_shape
+
+    root = build_tree({**load_shape("xeon-2s-smt"), "cgroup": "v1"}, tmp_path / "v1")
+    run, _, _ = _run(tmp_path, root)
+    name, msg = _failure(run)
+    assert name.startswith("rtfleet_host : Refuse a host without cgroup v2")
+    assert "unified cgroup hierarchy" in msg and "Nothing was changed" in msg
+    # Turned off, the role does not ask for it.
+    run, plan, _ = _run(tmp_path, root, rtfleet_host_confine_system_slices=False)
+    assert run.returncode == 0 and plan
