@@ -382,6 +382,21 @@ def plan_partition(topology, policy=None):
             }
         )
 
+    # Where a sampler (a pod, the post-check's smoke client) of each unit should run: the pod
+    # pool of the unit's NUMA node, else of its package, else the node's housekeeping CPUs.
+    node_cpus = {n["id"]: set(n["cpus"]) for n in topology["numa_nodes"]}
+    package_cpus = {p["id"]: set(p["cpus"]) for p in topology["packages"]}
+    for group in runtime_groups:
+        for where, near in (
+            ("pod_pool_same_node", node_cpus[group["numa_node"]] & set(pod_pool)),
+            ("pod_pool_same_package", package_cpus[group["package"]] & set(pod_pool)),
+            ("housekeeping_same_node", node_cpus[group["numa_node"]] & set(housekeeping)),
+        ):
+            if near:
+                group["sampler_cpus"] = sorted(near)
+                group["sampler_cpus_from"] = where
+                break
+
     isolated = sorted(
         set(runtime if "runtime" in policy["isolate"] else [])
         | set(pod_pool if "pod_pool" in policy["isolate"] else [])

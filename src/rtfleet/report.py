@@ -440,7 +440,8 @@ def _cpu_cells(row, hist_us):
     ]
 
 
-_SMOKE_COLUMNS = ("unit", "requests", "errors", "p50 ms", "p99 ms", "p99.9 ms", "max ms")
+_SMOKE_COLUMNS = ("unit", "client CPU", "requests", "errors", "p50 ms", "p99 ms", "p99.9 ms")
+_SMOKE_COLUMNS += ("max ms",)
 _SMOKE_COLUMNS += ("deschedule p99.9 ms", "CPU ratio", "slow_infer", "passed")
 
 
@@ -450,9 +451,22 @@ def _ms(value):
     return "%.3f" % value
 
 
+def _client_cell(unit):
+    """Where the smoke client ran (the post-check pins it where the unit's samplers go)."""
+    if unit.get("client_cpu") is None:
+        return "not pinned"
+    where = {
+        "pod_pool_same_node": "pod pool, same node",
+        "pod_pool_same_package": "pod pool, same socket",
+        "housekeeping_same_node": "housekeeping, same node",
+    }.get(unit.get("client_cpu_from"), unit.get("client_cpu_from") or "?")
+    return "%s (%s)" % (unit["client_cpu"], where)
+
+
 def _smoke_cells(unit):
     return [
         str(unit.get("server")),
+        _client_cell(unit),
         _fmt(unit.get("requests")),
         _fmt(unit.get("errors")),
         _ms(unit.get("latency_ms_p50")),

@@ -87,7 +87,8 @@ def test_unit_processes_run_on_their_group_cpus_only(host, rtfleet_plan):
 def test_unit_memory_is_bound_to_its_node(host, rtfleet_plan):
     for group in _groups(rtfleet_plan):
         unit = "shminfer@%s.service" % group["name"]
-        node = group["numa_node"]
+        # A memoryless node's group binds to the nearest node with memory (the plan says which).
+        node = group.get("memory_node", group["numa_node"])
         for proc in _processes(host, unit):
             # Mappings that hold pages; a library may give an empty reservation its own policy.
             policies = {m.split()[1] for m in proc["numa_maps"] if re.search(r" N\d+=", m)}

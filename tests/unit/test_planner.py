@@ -322,3 +322,30 @@ def test_nodes_with_memory_bind_their_own_node():
         str(g["memory_node"]) == g["systemd"]["NUMAMask"] == str(g["numa_node"])
         for g in plan["runtime_groups"]
     )
+
+
+def test_samplers_go_to_the_pod_pool_of_their_units_node(tmp_path):
+    """The smoke client (and a sampler pod) of a unit runs on a pod-pool CPU of the unit's
+    NUMA node, never on a runtime or housekeeping CPU when the node has a pod pool."""
+    import tarfile
+    from pathlib import Path
+
+    from rtfleet.topology import read_topology
+
+    # Captured from the server-shaped lab host (lab/topologies/server-nps2.yml).
+    archive = Path(__file__).resolve().parents[1] / "fixtures/sysfs/lab-server-nps2.tar.gz"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path)
+    topo = read_topology(str(tmp_path))
+    plan = plan_partition(
+        topo,
+        {"partial_l3_groups": "pod_pool", "runtime_threads": "one_thread_per_core"},
+    )
+    node_cpus = {n["id"]: set(n["cpus"]) for n in topo["numa_nodes"]}
+    assert len(plan["runtime_groups"]) == 4
+    for group in plan["runtime_groups"]:
+        assert group["sampler_cpus_from"] == "pod_pool_same_node"
+        assert set(group["sampler_cpus"]) <= set(plan["pod_pool"]) & node_cpus[group["numa_node"]]
+    # Without a pod pool the node's housekeeping CPUs are the fallback, and the plan says so.
+    plan = plan_partition(topo, {"partial_l3_groups": "runtime"})
+    assert {g["sampler_cpus_from"] for g in plan["runtime_groups"]} == {"housekeeping_same_node"}

@@ -326,3 +326,12 @@ def test_rescue_path_writes_the_report_once_per_batch():
     rescue = play["tasks"][0]["rescue"]
     report = next(t for t in rescue if t.get("ansible.builtin.include_role", {}).get("tasks_from"))
     assert report.get("run_once") is True
+
+
+def test_smoke_table_says_where_the_client_ran(tmp_path):
+    pinned = dict(smoke_entry("ccx1"), client_cpu=2, client_cpu_from="pod_pool_same_node")
+    results = write_results(tmp_path / "r", [host_result("srv", smoke=[pinned, smoke_entry("b")])])
+    build_report(results, tmp_path / "out", plots=False)
+    markdown = (tmp_path / "out/report.md").read_text()
+    assert "| ccx1 | 2 (pod pool, same node) |" in markdown
+    assert "| b | not pinned |" in markdown
