@@ -18,7 +18,7 @@ import yaml
 from rtfleet import lab
 
 REPO = Path(__file__).resolve().parents[2]
-TOPOLOGY_NAMES = ["ccx-smt", "dual-socket", "epyc-2ccx", "epyc-4ccx", "vmware-like"]
+TOPOLOGY_NAMES = ["ccx-smt", "dual-socket", "epyc-2ccx", "epyc-4ccx", "server-nps2", "vmware-like"]
 
 
 @pytest.fixture
@@ -58,9 +58,18 @@ def test_every_topology_file_loads_and_renders():
         topo = lab.load_topology(REPO, name)
         assert topo.name == name
         assert topo.description
-        assert topo.cpus == topo.expect["cpus"] == 8
+        assert topo.cpus == topo.expect["cpus"] == (48 if name == "server-nps2" else 8)
         argv = lab.topology_argv(topo)
-        assert argv[argv.index("-smp") + 1].startswith("8,")
+        assert argv[argv.index("-smp") + 1].startswith("%d," % topo.cpus)
+
+
+def test_server_nps2_argv_is_two_sockets_four_nodes_smt():
+    argv = lab.topology_argv(lab.load_topology(REPO, "server-nps2"))
+    assert argv[argv.index("-smp") + 1] == "48,sockets=2,dies=4,cores=3,threads=2"
+    nodes = [a for a in argv if a.startswith("node,nodeid=")]
+    assert nodes == [
+        "node,nodeid=%d,cpus=%d-%d,memdev=m%d" % (n, 12 * n, 12 * n + 11, n) for n in range(4)
+    ]
 
 
 def test_epyc_2ccx_argv():
