@@ -77,6 +77,37 @@ def futex_wake(address: int, count: int = 2**31 - 1) -> int:
     return ret
 
 
+# A full memory fence (store -> load ordering) from pure Python.
+#
+# The doorbell and the slot waits are Dekker-style handshakes: each side stores its flag
+# (READY + doorbell, or waiter = 1) and then loads the other's (sleeping, or the state).
+# x86-64 is TSO: it never reorders stores with stores or loads with loads, but a store may
+# sit in the store buffer while a later load executes, so both sides can read the other's
+# old value and the wake-up is lost (until the 50 ms safety wait). A LOCK-prefixed
+# instruction drains the store buffer before any later load: pthread_spin_lock is a
+# `lock decl` / `lock cmpxchg` in glibc and musl, so taking and dropping a private spinlock
+# through ctypes is a full fence at the cost of a foreign call (~0.2 us), no syscall.
+# Elsewhere (aarch64, whose spinlock acquire is not a store->load barrier) the fence is a
+# futex wake on a private word: the kernel's futex path issues smp_mb().
+_fence_lock = ctypes.c_int(1)  # glibc/musl x86: 1 = unlocked
+_fence_word = ctypes.c_uint32(0)
+if _MACHINE == "x86_64" and hasattr(_libc, "pthread_spin_trylock"):
+    # One foreign call: trylock is a `lock cmpxchg` (taking the free lock), then the lock
+    # is made free again by a plain store from Python (we are its only user).
+    _spin_trylock = _libc.pthread_spin_trylock
+    _spin_trylock.argtypes = (ctypes.c_void_p,)
+    _fence_addr = ctypes.addressof(_fence_lock)
+
+    def full_fence() -> None:
+        _spin_trylock(_fence_addr)
+        _fence_lock.value = 1
+
+else:
+
+    def full_fence() -> None:
+        _syscall(_require("futex"), ctypes.byref(_fence_word), FUTEX_WAKE | 128, 1, None, None, 0)
+
+
 def mbind(address: int, length: int, node: int, mode: int = MPOL_BIND) -> None:
     """Bind the pages of [address, address+length) to one NUMA node (before first touch)."""
     bits = ctypes.c_ulong * (node // 64 + 1)

@@ -214,6 +214,31 @@ BACKENDS = {
 }
 
 
+def check_model(backend: str, model: str | None) -> None:
+    """Refuse, before anything starts, a backend or model the worker could not load."""
+    make_backend(backend)
+    if backend in ("numpy", "openvino"):
+        if not model:
+            raise BackendError(f"the {backend} backend needs --model (shminfer make-model)")
+        suffixes = (".npz",) if backend == "numpy" else (".xml", ".bin")
+        for suffix in suffixes:
+            path = Path(model).with_suffix(suffix)
+            try:
+                with open(path, "rb") as handle:
+                    handle.read(1)
+            except OSError as exc:
+                raise BackendError(
+                    f"--model {model}: cannot read {path} ({exc.strerror})"
+                ) from None
+    elif backend in ("burn", "sleep") and model is not None:
+        try:
+            float(model)
+        except ValueError:
+            raise BackendError(
+                f"the {backend} backend takes --model MILLISECONDS, got {model!r}"
+            ) from None
+
+
 def make_backend(name: str) -> Backend:
     try:
         return BACKENDS[name]()

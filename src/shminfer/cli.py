@@ -10,10 +10,10 @@ import time
 import numpy as np
 
 from shminfer.backends import BACKENDS, BackendError, make_model
-from shminfer.client import Client, InferenceError
+from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
 from shminfer.metrics import summarize
-from shminfer.queue import RING_FIELDS, QueueError, Segment
+from shminfer.queue import MAX_SLOT_BYTES, MAX_SLOTS, RING_FIELDS, QueueError
 from shminfer.registry import read_registry
 
 
@@ -27,6 +27,19 @@ def _cpulist(text: str) -> list[int]:
     if not cpus:
         raise argparse.ArgumentTypeError("--cpus is empty")
     return cpus
+
+
+def _bounded(flag: str, low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be {low}..{high}, got {value}")
+        return value
+
+    return parse
 
 
 def _node_of(cpus: list[int]) -> int:
@@ -57,6 +70,7 @@ def cmd_serve(args) -> int:
         request_bytes=args.request_bytes,
         response_bytes=args.response_bytes,
         group=args.group,
+        batch_deadline_s=args.batch_deadline_s,
         worker_options={
             "threads": 1,
             "min_batch": args.min_batch,
@@ -229,14 +243,15 @@ def _print_smoke(result):
 def cmd_stats(args) -> int:
     from shminfer.metrics import prometheus_text  # noqa: PLC0415
 
-    registry = read_registry(args.name)
+    sock, answer, segments = attach(args.name, 0, args.timeout)
     per_cpu = {}
-    for worker in registry["workers"]:
-        segment = Segment.attach(worker["segment"])
-        try:
+    try:
+        for worker, segment in zip(answer["workers"], segments):
             per_cpu[worker["cpu"]] = summarize(segment.ring_read()[0])
-        finally:
+    finally:
+        for segment in segments:
             segment.close()
+        sock.close()
     if args.format == "prometheus":
         print(prometheus_text(args.name, per_cpu), end="")
     else:
@@ -270,9 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--backend", choices=sorted(BACKENDS), default="openvino")
     serve.add_argument("--model", help="model path (.xml for openvino, .npz for numpy)")
-    serve.add_argument("--slots", type=int, default=64)
-    serve.add_argument("--request-bytes", type=int, default=65536)
-    serve.add_argument("--response-bytes", type=int, default=65536)
+    serve.add_argument("--slots", type=_bounded("--slots", 1, MAX_SLOTS), default=64)
+    serve.add_argument(
+        "--request-bytes", type=_bounded("--request-bytes", 64, MAX_SLOT_BYTES), default=65536
+    )
+    serve.add_argument(
+        "--response-bytes", type=_bounded("--response-bytes", 64, MAX_SLOT_BYTES), default=65536
+    )
+    serve.add_argument(
+        "--batch-deadline-s",
+        type=float,
+        default=30.0,
+        help="a batch running longer gets its worker killed and restarted, its requests an error",
+    )
     serve.add_argument("--min-batch", type=int, default=1)
     serve.add_argument("--max-batch", type=int, default=16)
     serve.add_argument(
@@ -289,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slow-cpu-ms", type=float, default=100.0)
     serve.add_argument("--slow-wall-ms", type=float, default=200.0)
     serve.add_argument("--group", help="share segments with this group (mode 0660)")
-    serve.add_argument("--metrics-port", type=int, help="serve /metrics on 127.0.0.1:PORT")
+    serve.add_argument(
+        "--metrics-port",
+        type=_bounded("--metrics-port", 0, 65535),
+        help="serve /metrics on 127.0.0.1:PORT",
+    )
     serve.set_defaults(func=cmd_serve)
 
     smoke = sub.add_parser("smoke", help="N requests against a running server, with gates")
@@ -318,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="percentiles from a running server's rings")
     stats.add_argument("--name", required=True)
     stats.add_argument("--format", choices=("json", "prometheus"), default="json")
+    stats.add_argument("--timeout", type=float, default=5.0)
     stats.set_defaults(func=cmd_stats)
 
     model = sub.add_parser("make-model", help="write a small MLP (.npz + OpenVINO IR), no download")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
+import socket
+import stat
+import struct
 import time
 import weakref
 
@@ -23,9 +27,11 @@ from shminfer.queue import (
     QueueError,
     Segment,
 )
-from shminfer.registry import read_registry
+from shminfer.registry import check_name, check_owner, read_registry, segment_name, socket_path
 
 _SAFETY_WAIT_S = 0.05
+_MAX_ANSWER = 1 << 16
+_GONE = -1  # _wait: the server went away
 _MAX_ERROR = 1024  # bytes of a worker's error text shown
 _IN_FLIGHT = (READY, PROCESSING)
 
@@ -41,13 +47,14 @@ class InferenceError(RuntimeError):
 
 
 class Pending:
-    __slots__ = ("deadline", "seq", "slot", "worker")
+    __slots__ = ("deadline", "lane", "seq", "slot", "worker")
 
-    def __init__(self, worker, slot, seq, deadline):
+    def __init__(self, worker, slot, seq, deadline, lane=None):
         self.worker = worker
         self.slot = slot
         self.seq = seq
         self.deadline = deadline
+        self.lane = lane
 
 
 class _Lane:
@@ -78,12 +85,101 @@ class _Lane:
         self.abandoned = keep
 
 
+class ServerStopped(InferenceError):
+    """The server went away (stopped, killed or restarted) while this request was out."""
+
+
+def attach(name: str, slots_per_worker: int, timeout: float):
+    """Connect to server ``name``, lease slots: (socket, answer, [Segment]).
+
+    The socket must be the one the expected path names, owned by a trusted user, and its
+    peer (SO_PEERCRED) that same user; the segments arrive as sealed memfds.
+    """
+    check_name(name)
+    path = socket_path(name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        read_registry(name)  # the clearer message: no server of that name, or not ours
+        raise QueueError(f"{path} is missing: is `shminfer serve --name {name}` running?") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise QueueError(f"{path} is not a socket (a symlink or file planted there?): refused")
+    check_owner(st, path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = []
+    try:
+        sock.settimeout(max(timeout, 0.01))
+        try:
+            sock.connect(path)
+        except PermissionError:
+            raise QueueError(f"{path}: permission denied (not in the server's group?)") from None
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _peer_pid, peer_uid, _peer_gid = struct.unpack("3i", creds)
+        if peer_uid != st.st_uid:
+            raise QueueError(f"{path}: the server runs as uid {peer_uid}, not the socket's owner")
+        sock.sendall(json.dumps({"slots": slots_per_worker, "pid": os.getpid()}).encode() + b"\n")
+        raw, fds, _flags, _addr = socket.recv_fds(sock, _MAX_ANSWER, 64)
+        if not raw.endswith(b"\n"):
+            raise QueueError(f"server {name}: truncated answer on {path}")
+        answer = json.loads(raw)
+        if not answer.get("ok"):
+            raise QueueError(_printable(str(answer.get("error", "refused")).encode()))
+        workers = answer["workers"]
+        if len(fds) != len(workers):
+            raise QueueError(f"server {name}: {len(fds)} segments for {len(workers)} workers")
+        segments = []
+        try:
+            while fds:
+                worker = workers[len(segments)]
+                segments.append(
+                    Segment.from_fd(
+                        fds.pop(0), segment_name(name, worker["cpu"]), worker["geometry"]
+                    )
+                )
+        except BaseException:
+            for segment in segments:
+                segment.close()
+            raise
+        sock.settimeout(None)
+        sock.setblocking(False)
+        return sock, answer, segments
+    except socket.timeout:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise QueueError(f"server {name}: no answer on {path} within {timeout} s") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise QueueError(f"server {name}: malformed answer on {path} ({exc})") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise
+
+
+def _closed(sock) -> bool:
+    """True when the server's end of the lease connection has gone (EOF or error)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 class Client:
     """Synchronous ``infer()`` and asynchronous ``start()``/``finish()`` over SHM.
 
     ``slots_per_worker`` bounds the requests this process can have in flight per worker.
     Responses are copied out by default; ``finish(copy=False)`` returns views into the
-    slot that stay valid until the next request on that slot.
+    slot that stay valid until the next request on that slot. When the server stops,
+    requests out fail with :class:`ServerStopped` and the next ``start()`` attaches to a
+    new server of the same name.
     """
 
     def __init__(
@@ -95,32 +191,42 @@ class Client:
         spin_us: int = 50,
         wait_mode: str = "futex",
     ):
-        registry = read_registry(name)
         self.name = name
         self.timeout = timeout
         self.spin_ns = spin_us * 1000
         self.wait_mode = wait_mode
+        self.slots_per_worker = slots_per_worker
         self.pid = os.getpid()
-        start_time = _sys.process_start_time(self.pid)
         self.lanes = []
-        try:
-            for worker in registry["workers"]:
-                segment = Segment.attach(worker["segment"])
-                slots = segment.lease_slots(slots_per_worker, self.pid, start_time)
-                if not slots:
-                    segment.close()
-                    raise QueueError(
-                        f"{worker['segment']}: no free slot to lease (all held by other clients); "
-                        "start the server with more --slots"
-                    )
-                self.lanes.append(_Lane(segment, slots))
-        except BaseException:
-            self.close()
-            raise
-        self._rr = itertools.cycle(range(len(self.lanes)))
+        self._sock = None
+        self._stale = False  # the server went away: the next start() attaches anew
         self._seq = itertools.count(1)
-        self._finalizer = weakref.finalize(self, Client._release, self.lanes, self.pid)
+        self._finalizer = None
+        self._attach()
+
+    def _attach(self):
+        sock, _answer, segments = attach(self.name, self.slots_per_worker, self.timeout)
+        workers = _answer["workers"]
+        self._sock = sock
+        self.lanes = [
+            _Lane(segment, [tuple(s) for s in worker["slots"]])
+            for segment, worker in zip(segments, workers)
+        ]
+        self._rr = itertools.cycle(range(len(self.lanes)))
+        self._finalizer = weakref.finalize(self, Client._release, self.lanes, self.pid, sock)
         atexit.register(self._finalizer)
+
+    def _server_gone(self) -> bool:
+        return self._sock is None or _closed(self._sock)
+
+    def _reattach(self):
+        """The server this client leased from is gone: drop it, attach to the new one."""
+        self.close()
+        try:
+            self._attach()
+        except QueueError as exc:
+            raise ServerStopped(f"server {self.name} stopped ({exc})") from None
+        self._stale = False
 
     @property
     def model(self):
@@ -138,6 +244,12 @@ class Client:
 
     def start(self, inputs: dict, timeout: float | None = None) -> Pending:
         timeout = self.timeout if timeout is None else timeout
+        if (
+            self._stale
+            or not self.lanes
+            or (self.lanes[0].seg.get("worker_state") != WORKER_READY and self._server_gone())
+        ):
+            self._reattach()
         lane_index = None
         for _ in range(len(self.lanes)):
             candidate = next(self._rr)
@@ -175,7 +287,7 @@ class Client:
         seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
         words[slot] = READY
         seg.ring_doorbell()
-        return Pending(lane_index, slot, seq, time.monotonic() + timeout)
+        return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
 
     def _wait(self, lane, slot, deadline):
         states = lane.seg.state_words
@@ -195,6 +307,9 @@ class Client:
         waiters = lane.seg.waiters
         while True:
             waiters[slot] = 1
+            # Store (waiters) -> load (state) must not be reordered, or the worker's
+            # "publish DONE, then read waiters" can pass ours: see _sys.full_fence.
+            _sys.full_fence()
             state = states[slot]
             if state not in _IN_FLIGHT:
                 waiters[slot] = 0
@@ -203,14 +318,30 @@ class Client:
             if remaining <= 0:
                 waiters[slot] = 0
                 return None
-            _sys.futex_wait(addr, state, min(remaining, _SAFETY_WAIT_S))
+            if not _sys.futex_wait(addr, state, min(remaining, _SAFETY_WAIT_S)) and (
+                self._server_gone()
+            ):
+                waiters[slot] = 0
+                return _GONE
 
     def finish(self, pending: Pending, timeout: float | None = None, copy: bool = True) -> dict:
-        lane = self.lanes[pending.worker]
+        lane = pending.lane or self.lanes[pending.worker]
+        if not any(lane is mine for mine in self.lanes):
+            self._stale = self._stale or not self.lanes
+            raise ServerStopped(
+                f"server {self.name} stopped while request {pending.seq:#x} was out "
+                "(this client has attached to a new server since)"
+            )
         seg = lane.seg
         slot = pending.slot
         deadline = pending.deadline if timeout is None else time.monotonic() + timeout
         state = self._wait(lane, slot, deadline)
+        if state is _GONE or (state is None and self._server_gone()):
+            self._stale = True
+            raise ServerStopped(
+                f"server {self.name} stopped while request {pending.seq:#x} was out; "
+                "the next request attaches to a new server of that name"
+            )
         if state is None:
             lane.abandoned.append(slot)
             raise TimeoutError(
@@ -237,6 +368,9 @@ class Client:
             message = _printable(bytes(lane.responses[slot][: min(length, _MAX_ERROR)]))
             seg.state_words[slot] = FREE
             lane.free.append(slot)
+            if message == f"server {self.name} stopped" and self._server_gone():
+                self._stale = True
+                raise ServerStopped(message)
             raise InferenceError(message)
         try:
             outputs = lane.decoder.decode(lane.responses[slot], length, slot=slot)
@@ -256,25 +390,27 @@ class Client:
     # ------------------------------------------------------------ teardown
 
     @staticmethod
-    def _release(lanes, pid):
+    def _release(lanes, pid, sock):
         if os.getpid() != pid:
             return
         for lane in lanes:
             try:
                 lane.requests.clear()
                 lane.responses.clear()
-                lane.seg.release_slots(lane.leased, pid)
                 lane.seg.close()
             except (OSError, ValueError):
                 pass
         lanes.clear()
+        # Closing the connection ends the lease: the server frees the slots, each once
+        # no request of ours is in flight in it.
+        sock.close()
 
     def close(self):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()
-        else:
-            Client._release(getattr(self, "lanes", []), self.pid)
+        self.lanes = []
+        self._sock = None
 
     def __enter__(self):
         return self

@@ -14,13 +14,16 @@ Slot states: FREE -> WRITING -> READY -> PROCESSING -> DONE | ERROR -> FREE.
 Every transition has exactly one writer, so no compare-and-swap is needed: the client that
 leases a slot moves it FREE->WRITING->READY and DONE/ERROR->FREE; the worker moves it
 READY->PROCESSING->DONE/ERROR; the supervisor only touches slots whose worker is dead or
-whose client is dead. Slots are leased to a client process under flock(2) once, at
+whose client is gone. Slots are leased to a client connection by the supervisor once, at
 attach time, not per request. The store order this relies on (payload before state) is
 what x86-64 guarantees; the futex calls on the slow path are full barriers.
 
-The segment is a plain file in /dev/shm opened with O_EXCL and mode 0600/0660: its life
-is owned by the supervisor (created at start, unlinked at stop, stale ones removed at the
-next start) and never by multiprocessing's resource tracker.
+The segment is a memfd sealed with F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL, fully allocated
+with posix_fallocate: no client can truncate it under the supervisor or the worker (the
+SIGBUS a truncated /dev/shm file caused), and a segment that does not fit in memory is a
+clear error at start. The supervisor hands the fd to the worker at spawn and to clients
+over its unix socket (SCM_RIGHTS), with the geometry: nobody trusts the header's copy.
+Slots are leased by the supervisor, per client connection (see server.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import fcntl
 import json
 import mmap
 import os
+import stat
 import struct
 import time
 
@@ -91,8 +95,14 @@ _RING = struct.Struct("<6Q")
 
 
 MAX_SLOTS = 4096
+# memfd sealing (linux/fcntl.h); fcntl has the names from Python 3.9 on some builds only.
+MFD_ALLOW_SEALING = getattr(os, "MFD_ALLOW_SEALING", 2)
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 1)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
 MAX_SLOT_BYTES = 1 << 30
-_GEOMETRY_FIELDS = ("slot_count", "request_bytes", "response_bytes", "ring_records")
 
 
 class QueueError(RuntimeError):
@@ -101,6 +111,17 @@ class QueueError(RuntimeError):
 
 def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _round_page(n):
@@ -116,23 +137,6 @@ def _geometry(slot_count, request_bytes, response_bytes, ring_records):
     ring = responses + slot_count * response_bytes
     total = ring + ring_records * _RING.size
     return states, table, requests, responses, ring, _round_page(total)
-
-
-def _checked_geometry(mm, size, path):
-    """The header's geometry, refused unless it is sane and matches the mapping's size."""
-    fields = [struct.unpack_from(_H[k][1], mm, _H[k][0])[0] for k in _GEOMETRY_FIELDS]
-    slot_count, request_bytes, response_bytes, ring_records = fields
-    sane = (
-        1 <= slot_count <= MAX_SLOTS
-        and 64 <= request_bytes <= MAX_SLOT_BYTES
-        and 64 <= response_bytes <= MAX_SLOT_BYTES
-        and request_bytes % 64 == 0
-        and response_bytes % 64 == 0
-        and 1 <= ring_records <= 1 << 24
-    )
-    if not sane or _geometry(*fields)[-1] != size:
-        raise QueueError(f"{path}: the header's geometry is corrupt (a peer wrote over it?)")
-    return fields
 
 
 class Segment:
@@ -201,6 +205,11 @@ class Segment:
         mode=0o600,
         gid=None,
     ):
+        """A new segment: a sealed memfd (no file in /dev/shm anyone could truncate).
+
+        ``mode``/``gid`` are kept for callers; access goes through the server's socket.
+        """
+        del mode, gid
         if not 1 <= slot_count <= MAX_SLOTS:
             raise QueueError(f"--slots must be 1..{MAX_SLOTS}, got {slot_count}")
         for flag, value in (
@@ -211,27 +220,33 @@ class Segment:
                 raise QueueError(f"{flag} must be 64..{MAX_SLOT_BYTES} (1 GiB), got {value}")
         request_bytes = (int(request_bytes) + 63) // 64 * 64
         response_bytes = (int(response_bytes) + 63) // 64 * 64
-        geometry = _geometry(slot_count, request_bytes, response_bytes, ring_records)
-        path = segment_path(name)
-        old_umask = os.umask(0o077 if mode == 0o600 else 0o007)
+        geometry = (slot_count, request_bytes, response_bytes, ring_records)
+        size = _geometry(*geometry)[-1]
+        available = _mem_available()
+        if available is not None and size > available:
+            raise QueueError(
+                f"segment {name} needs {size} bytes ({slot_count} slots x "
+                f"{request_bytes}+{response_bytes} bytes), more than the {available} bytes of "
+                "memory available: lower --slots, --request-bytes or --response-bytes"
+            )
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | MFD_ALLOW_SEALING)
+        mm = None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        except FileExistsError:
-            raise QueueError(f"{path} exists: another server owns it, or a stale one") from None
-        finally:
-            os.umask(old_umask)
-        try:
-            if gid is not None:
-                os.fchown(fd, -1, gid)
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, geometry[-1])
-            mm = mmap.mmap(fd, geometry[-1], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if numa_node >= 0:
-                # Bind before the first touch, then touch every page from here: the pages
-                # land on the worker's node whoever touches them later.
-                _sys.mbind(_sys.address_of(mm), geometry[-1], numa_node)
-            for offset in range(0, geometry[-1], PAGE):
-                mm[offset] = 0
+                # Bind before the first page exists: the pages land on the worker's node.
+                _sys.mbind(_sys.address_of(mm), size, numa_node)
+            try:
+                # Every page now, or a clear error: never a SIGBUS on first touch later.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise QueueError(
+                    f"segment {name}: cannot allocate {size} bytes ({exc.strerror}): lower "
+                    "--slots, --request-bytes or --response-bytes"
+                ) from None
+            # Nobody (not even a client holding the fd) can shrink or grow it, nor unseal.
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
             header = {
                 "magic": MAGIC,
                 "slot_count": slot_count,
@@ -246,46 +261,38 @@ class Segment:
             for key, value in header.items():
                 offset, fmt = _H[key]
                 struct.pack_into(fmt, mm, offset, value)
+            return cls(f"memfd:{name}", fd, mm, owner=True, geometry=geometry)
         except BaseException:
+            if mm is not None:
+                mm.close()
             os.close(fd)
-            os.unlink(path)
             raise
-        return cls(
-            path,
-            fd,
-            mm,
-            owner=True,
-            geometry=(slot_count, request_bytes, response_bytes, ring_records),
-        )
 
     @property
     def geometry(self):
         return (self.slot_count, self.request_bytes, self.response_bytes, self.ring_records)
 
     @classmethod
-    def attach(cls, name, geometry=None):
-        path = segment_path(name)
+    def from_fd(cls, fd, name, geometry):
+        """Map a segment handed over by the server (the fd is taken over)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise QueueError(f"{path} does not exist: is `shminfer serve` running?") from None
-        except PermissionError:
-            raise QueueError(
-                f"{path}: permission denied (the server created it 0600/0660 for its user/group)"
-            ) from None
-        size = os.fstat(fd).st_size
-        if size < PAGE:
+            st = os.fstat(fd)
+            size = _geometry(*geometry)[-1]
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise QueueError(f"{name}: {st.st_size} bytes, the server said {size}")
+            if seals & (F_SEAL_SHRINK | F_SEAL_GROW) != F_SEAL_SHRINK | F_SEAL_GROW:
+                raise QueueError(f"{name}: not sealed against resizing: refused")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
-            raise QueueError(f"{path} is not a shminfer segment (too small)")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            raise
         if mm[:8] != MAGIC:
             mm.close()
             os.close(fd)
-            raise QueueError(f"{path} is not a shminfer segment (bad magic)")
+            raise QueueError(f"{name} is not a shminfer segment (bad magic)")
         try:
-            if geometry is None:
-                geometry = _checked_geometry(mm, size, path)
-            return cls(path, fd, mm, owner=False, geometry=geometry)
+            return cls(f"memfd:{name}", fd, mm, owner=False, geometry=geometry)
         except BaseException:
             mm.close()
             os.close(fd)
@@ -301,8 +308,7 @@ class Segment:
         os.close(self.fd)
 
     def unlink(self):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Nothing to remove: a memfd goes when its last fd and mapping are gone."""
 
     # ------------------------------------------------------------ header / slot fields
 
@@ -370,73 +376,22 @@ class Segment:
         offset = _H["doorbell"][0]
         value = (struct.unpack_from("<I", self.mm, offset)[0] + 1) & 0xFFFFFFFF
         struct.pack_into("<I", self.mm, offset, value)
+        # READY and the doorbell are stored; the fence keeps the load of worker_sleeping
+        # from passing them (the worker fences between its sleeping=1 and its re-check of
+        # the states): one of the two sides sees the other, never neither.
+        _sys.full_fence()
         if struct.unpack_from("<I", self.mm, _H["worker_sleeping"][0])[0]:
             _sys.futex_wake(self.doorbell_addr)
 
-    def wake_slot(self, index):
+    def wake_slot(self, index, fenced=False):
+        """Wake a client sleeping on the slot; call after storing DONE/ERROR. ``fenced``:
+        the caller fenced after its state stores already (one fence per batch)."""
+        if not fenced:
+            _sys.full_fence()
         if self.waiters[index]:
             _sys.futex_wake(self.state_addr(index))
 
     # ------------------------------------------------------------ leases
-
-    def _leasable(self, index):
-        """Nobody holds the slot and no request of a former holder is in flight.
-
-        A slot whose client left (closed, timed out, died) while its request is READY or
-        PROCESSING belongs to the worker until answered: leasing it then would hand the
-        departed client's answer to the next one.
-        """
-        if int(self.states[index]) in (READY, PROCESSING):
-            return False
-        owner = int(self.owners[index])
-        return not owner or not _sys.alive(owner, self.slot_get(index, "owner_start"))
-
-    def lease_slots(self, count, pid, start_time):
-        """Lease up to ``count`` free slots to a client process (under flock).
-
-        Returns ``[(index, generation)]``; the generation goes into every request tag.
-        """
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            leased = []
-            for index in range(self.slot_count):
-                if len(leased) == count:
-                    break
-                if not self._leasable(index):
-                    continue
-                generation = (self.slot_get(index, "generation") + 1) & 0xFFFFFFFF
-                self.slot_set(index, "generation", generation)
-                self.slot_set(index, "owner_start", start_time)
-                self.slot_set(index, "owner_pid", pid)
-                self.states[index] = FREE
-                leased.append((index, generation))
-            return leased
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def reclaim_orphaned(self):
-        """Free the slots of departed clients whose last request has ended (under flock)."""
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            for index in range(self.slot_count):
-                idle = int(self.states[index]) == FREE and not int(self.owners[index])
-                if not idle and self._leasable(index):
-                    self.states[index] = FREE
-                    self.slot_set(index, "owner_pid", 0)
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def release_slots(self, indices, pid):
-        """Give slots back; one with a request in flight stays busy until answered."""
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        try:
-            for index in indices:
-                if int(self.owners[index]) == pid:
-                    if int(self.states[index]) not in (READY, PROCESSING):
-                        self.states[index] = FREE
-                    self.slot_set(index, "owner_pid", 0)
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------ metrics ring
 

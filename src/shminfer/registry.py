@@ -1,19 +1,39 @@
-"""The server registry: /dev/shm/shminfer.NAME.json says which segments a server owns."""
+"""What a server publishes in /dev/shm, and how peers find it without being fooled.
+
+Files, all named ``shminfer.NAME.*`` in /dev/shm:
+
+``.lock``  0600, flock(2)-held by the running server for its whole life: exactly one
+           server per name, and only the holder ever removes the other files.
+``.json``  the registry (0640 with ``--group``, else 0600): pid, workers, socket name.
+``.sock``  the unix socket clients connect to; the server leases slots over it and hands
+           the queue segments (sealed memfds) with SCM_RIGHTS. 0660 with ``--group``.
+
+Writers never follow symlinks and create temp files O_EXCL under random names; readers
+open with O_NOFOLLOW and check, with fstat, that a trusted user owns the file and that
+nobody else can write it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import pwd
 import re
+import secrets
+import stat
 
 from shminfer import _sys
 from shminfer.queue import SHM_DIR, QueueError
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MAX_REGISTRY = 1 << 16
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.match(name):
         raise QueueError(
             f"server name {name!r} must be 1-64 letters, digits, '_' or '-' "
             "(it names files in /dev/shm)"
@@ -25,56 +45,199 @@ def registry_path(name: str) -> str:
     return os.path.join(SHM_DIR, f"shminfer.{check_name(name)}.json")
 
 
+def socket_name(name: str) -> str:
+    return f"shminfer.{check_name(name)}.sock"
+
+
+def socket_path(name: str) -> str:
+    return os.path.join(SHM_DIR, socket_name(name))
+
+
+def lock_path(name: str) -> str:
+    return os.path.join(SHM_DIR, f"shminfer.{check_name(name)}.lock")
+
+
 def segment_name(name: str, cpu: int) -> str:
-    return f"shminfer.{check_name(name)}.cpu{cpu}"
+    return f"shminfer.{check_name(name)}.cpu{int(cpu)}"
 
 
-def read_registry(name: str) -> dict:
+def trusted_uids() -> set:
+    """Users whose servers a client believes: root, itself, the ``shminfer`` service user,
+    and whoever ``SHMINFER_SERVER_USERS`` (comma-separated names or uids) names."""
+    uids = {0, os.geteuid()}
+    names = ["shminfer", *filter(None, os.environ.get("SHMINFER_SERVER_USERS", "").split(","))]
+    for raw in names:
+        entry = raw.strip()
+        if entry.isdigit():
+            uids.add(int(entry))
+            continue
+        with contextlib.suppress(KeyError):
+            uids.add(pwd.getpwnam(entry).pw_uid)
+    return uids
+
+
+def check_owner(st, what: str, trusted=None) -> None:
+    """Refuse a file a stranger owns or others may write (an impostor or a rewritten one)."""
+    trusted = trusted_uids() if trusted is None else trusted
+    if st.st_uid not in trusted:
+        raise QueueError(
+            f"{what} is owned by uid {st.st_uid}, not a trusted server user "
+            f"({sorted(trusted)}; add one with SHMINFER_SERVER_USERS): refused"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise QueueError(
+            f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): refused"
+        )
+
+
+def read_registry(name: str, trusted=None) -> dict:
     path = registry_path(name)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise QueueError(f"no shminfer server named {name!r} ({path} is missing)") from None
     except PermissionError:
         raise QueueError(f"{path}: permission denied (not in the server's group?)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise QueueError(f"{path} is a symlink: refused") from None
+        raise QueueError(f"{path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_REGISTRY:
+            raise QueueError(f"{path} is not a shminfer registry (not a small regular file)")
+        check_owner(st, path, trusted)
+        raw = handle.read(_MAX_REGISTRY + 1)
+    try:
+        data = json.loads(raw)
     except ValueError:
         raise QueueError(f"{path}: not a shminfer registry (bad JSON)") from None
+    return _checked(name, data, path)
+
+
+def _checked(name, data, path):
+    """Only the names this server would use: a rewritten registry cannot point elsewhere."""
+    try:
+        workers = data["workers"]
+        ok = isinstance(workers, list) and all(
+            isinstance(w.get("cpu"), int) and w.get("segment") == segment_name(name, w["cpu"])
+            for w in workers
+        )
+        ok = ok and data.get("socket", socket_name(name)) == socket_name(name)
+    except (KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise QueueError(f"{path}: registry names files that are not this server's: refused")
+    return data
 
 
 def write_registry(name: str, data: dict, mode: int, gid: int | None) -> None:
+    """Atomically (re)place the registry: a random O_EXCL|O_NOFOLLOW temp file, renamed."""
     path = registry_path(name)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        if gid is not None:
-            os.fchown(handle.fileno(), -1, gid)
-        os.fchmod(handle.fileno(), mode)
-        json.dump(data, handle)
-    os.replace(tmp, path)
-
-
-def remove_stale(name: str) -> list[str]:
-    """Remove what a crashed server left behind; refuse if that server still runs."""
-    removed = []
-    path = registry_path(name)
+    mode &= ~0o022  # readable by the group at most, never writable
+    while True:
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+            break
+        except FileExistsError:
+            continue
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        data = None
-    except (ValueError, OSError):
-        data = {}
-    if data:
-        pid, start = data.get("pid", 0), data.get("pid_start", -1)
-        if _sys.alive(pid, start):
-            raise QueueError(f"a shminfer server named {name!r} is already running (pid {pid})")
-    owned = re.compile(r"^shminfer\.%s\.(cpu\d+|json|json\.tmp)$" % re.escape(name))
-    for entry in os.listdir(SHM_DIR):
-        if owned.match(entry):
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            if gid is not None:
+                os.fchown(handle.fileno(), -1, gid)
+            os.fchmod(handle.fileno(), mode)
+            json.dump(data, handle)
+        os.rename(tmp, path)  # replaces a planted symlink itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class NameLock:
+    """One server per name: flock(LOCK_EX|LOCK_NB) on shminfer.NAME.lock, held for life.
+
+    Non-blocking, so a peer holding a lock can never freeze anyone; the kernel drops it
+    when the holder dies, so there is nothing stale to clean up.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.path = path = lock_path(name)
+        for _ in range(100):
             try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                removed.append(entry)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise QueueError(f"{path}: cannot open the server lock ({exc.strerror})") from None
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise QueueError(
+                    f"{path} belongs to uid {st.st_uid}, not this server's user: remove it"
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise QueueError(
+                    f"a shminfer server named {name!r} is already running ({_running_pid(name)})"
+                ) from None
+            # The holder unlinks the lock file when it stops: ours counts only if the
+            # path still names the file we locked (else a newer server owns a new one).
+            try:
+                now = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
-                pass
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.fchmod(fd, 0o600)
+                self.fd = fd
+                return
+            os.close(fd)
+        raise QueueError(f"{path}: could not take the server lock (it keeps changing)")
+
+    def release(self, unlink=True):
+        if self.fd is not None:
+            if unlink:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _running_pid(name):
+    try:
+        with open(registry_path(name), "rb") as handle:
+            return f"pid {int(json.loads(handle.read(_MAX_REGISTRY))['pid'])}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "starting"
+
+
+def remove_stale(name: str) -> list:
+    """Remove what a crashed server of this name left behind. Call with its NameLock held.
+
+    Only this user's files go (lstat, never following a link); a live server cannot own
+    them, as it would hold the lock.
+    """
+    removed = []
+    owned = re.compile(
+        r"^shminfer\.%s\.(cpu\d+|json|sock|json(\.[0-9a-f]{16})?\.tmp)$" % re.escape(name)
+    )
+    for entry in os.listdir(SHM_DIR):
+        if not owned.match(entry):
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            if os.lstat(path).st_uid != os.geteuid():
+                continue
+            os.unlink(path)
+            removed.append(entry)
+        except OSError:
+            pass
     return removed
+
+
+def alive(data: dict) -> bool:
+    return _sys.alive(int(data.get("pid", 0)), data.get("pid_start", -1))

@@ -1,34 +1,52 @@
 """The supervisor behind `shminfer serve`: owns the segments, spawns and restarts workers,
-reclaims slots of dead clients, serves metrics."""
+leases slots to clients over a unix socket, reclaims slots of departed clients, kills a
+worker whose batch overruns its deadline, serves metrics.
+
+Leases are per connection: a client connects to ``shminfer.NAME.sock``, asks for N slots
+per worker and receives the segments' memfds (SCM_RIGHTS) with the geometry and its
+slots; the connection stays open for the lease's life. When it closes (the client closed,
+exited or was killed) its slots return to the pool, each once no request of it is in
+flight. No lock is shared with clients: nothing a peer holds can stall this loop."""
 
 from __future__ import annotations
 
 import contextlib
 import grp
+import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
+import secrets
+import selectors
 import signal
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from shminfer import _sys
+from shminfer.backends import BackendError, check_model
 from shminfer.metrics import collect, prometheus_text
 from shminfer.queue import (
+    FREE,
     PROCESSING,
     READY,
     WORKER_DEAD,
     WORKER_STARTING,
     WORKER_STOPPED,
+    QueueError,
     Segment,
     fail_inflight,
 )
 from shminfer.registry import (
+    NameLock,
     check_name,
     registry_path,
     remove_stale,
     segment_name,
+    socket_name,
+    socket_path,
     write_registry,
 )
 from shminfer.worker import log_event, worker_main
@@ -43,6 +61,37 @@ THREAD_ENV = (
     "TBB_NUM_THREADS",
     "OV_CPU_THREADS_NUM",
 )
+
+
+PROTOCOL = 2
+_MAX_LINE = 4096
+_MAX_CONNECTIONS = 1024
+LOAD_FAILED = 3  # the worker's exit code when the model does not load
+
+
+class _InheritFd:
+    """An fd passed to a spawned worker: pickled as multiprocessing's DupFd, so the spawn
+    keeps it open in the child under the same number."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_inherited, (multiprocessing.reduction.DupFd(self.fd),))
+
+
+def _inherited(dup):
+    return dup.detach()
+
+
+class _Conn:
+    __slots__ = ("buf", "leases", "pid", "sock")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = b""
+        self.leases = {}  # cpu -> [slot]
+        self.pid = 0
 
 
 class Server:
@@ -60,6 +109,7 @@ class Server:
         group=None,
         worker_options=None,
         restart_backoff_s=(0.1, 5.0),
+        batch_deadline_s=30.0,
     ):
         self.name = check_name(name)
         if not cpus:
@@ -71,6 +121,8 @@ class Server:
                 f"CPUs {outside} are outside this process's affinity {sorted(allowed)}: "
                 "check --cpus against the unit's CPUAffinity"
             )
+        if not batch_deadline_s or batch_deadline_s <= 0:
+            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
         self.cpus = list(cpus)
         self.numa_node = numa_node
         self.backend = backend
@@ -78,6 +130,7 @@ class Server:
         self.slots = slots
         self.request_bytes = request_bytes
         self.response_bytes = response_bytes
+        self.batch_deadline_s = float(batch_deadline_s)
         self.gid = None
         self.mode = 0o600
         if group:
@@ -90,20 +143,34 @@ class Server:
         self.backoff_min, self.backoff_max = restart_backoff_s
         self.segments = {}
         self.processes = {}
+        self.status = {}  # cpu -> private [busy_since_ns] shared with that worker
         self.restarts = dict.fromkeys(self.cpus, 0)
+        self.load_failure = None
+        self._kill_reason = {}
         self._stop = threading.Event()
         self._ctx = multiprocessing.get_context("spawn")
         self._http = None
+        self._lock = None
+        self._listener = None
+        self._lease_thread = None
+        self._lease_mutex = threading.Lock()
+        self._holder = {}  # cpu -> [conn or None] per slot
+        self._generation = {}  # cpu -> [lease generation] per slot
+        self._conns = {}
+        self.instance = secrets.randbits(63)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self):
-        removed = remove_stale(self.name)
-        if removed:
-            log_event("stale_segments_removed", name=self.name, files=removed)
-        for var in THREAD_ENV:
-            os.environ[var] = "1"
+        """Check the model, take the name, create the queues, open the socket, spawn."""
+        self._lock = NameLock(self.name)  # raises at once if another server has the name
         try:
+            check_model(self.backend, self.model)
+            removed = remove_stale(self.name)
+            if removed:
+                log_event("stale_files_removed", name=self.name, files=removed)
+            for var in THREAD_ENV:
+                os.environ[var] = "1"
             for cpu in self.cpus:
                 self.segments[cpu] = Segment.create(
                     segment_name(self.name, cpu),
@@ -112,9 +179,11 @@ class Server:
                     response_bytes=self.response_bytes,
                     numa_node=self.numa_node,
                     cpu=cpu,
-                    mode=self.mode,
-                    gid=self.gid,
                 )
+                self._holder[cpu] = [None] * self.slots
+                self._generation[cpu] = [0] * self.slots
+                self.status[cpu] = self._ctx.RawArray("q", 2)
+            self._listen()
             write_registry(
                 self.name,
                 {
@@ -122,6 +191,8 @@ class Server:
                     "pid": os.getpid(),
                     "pid_start": _sys.process_start_time(os.getpid()),
                     "numa_node": self.numa_node,
+                    "protocol": PROTOCOL,
+                    "socket": socket_name(self.name),
                     "workers": [
                         {"cpu": c, "segment": segment_name(self.name, c)} for c in self.cpus
                     ],
@@ -135,28 +206,66 @@ class Server:
             self.stop()
             raise
 
+    def _listen(self):
+        path = socket_path(self.name)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # created 0600: nobody connects before the chmod
+        try:
+            listener.bind(path)
+        except OSError as exc:
+            listener.close()
+            raise QueueError(
+                f"{path}: cannot listen ({exc.strerror}); is it another user's?"
+            ) from None
+        finally:
+            os.umask(old_umask)
+        if self.gid is not None:
+            os.chown(path, -1, self.gid, follow_symlinks=False)
+        os.chmod(path, self.mode)  # ours: /dev/shm is sticky, nobody can swap it meanwhile
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._lease_thread = threading.Thread(
+            target=self._serve_leases,
+            args=(listener,),
+            name=f"shminfer-{self.name}-leases",
+            daemon=True,
+        )
+        self._lease_thread.start()
+
     def _spawn(self, cpu):
         segment = self.segments[cpu]
         segment.set("worker_state", WORKER_STARTING)
         segment.set("worker_generation", segment.get("worker_generation") + 1)
+        self.status[cpu][0] = 0
         process = self._ctx.Process(
             target=worker_main,
             args=(segment_name(self.name, cpu), cpu, self.backend, self.model),
-            kwargs={**self.worker_options, "geometry": segment.geometry},
+            kwargs={
+                **self.worker_options,
+                "geometry": segment.geometry,
+                "segment_fd": _InheritFd(segment.fd),
+                "status": self.status[cpu],
+            },
             name=f"shminfer-{self.name}-cpu{cpu}",
         )
         process.start()
         self.processes[cpu] = process
 
-    def serve_forever(self, reclaim_every_s=0.5):
+    def serve_forever(self, reclaim_every_s=0.1):
         next_restart = {}
         backoff = dict.fromkeys(self.cpus, self.backoff_min)
+        tick = min(reclaim_every_s, 0.1)
         while not self._stop.is_set():
             sentinels = {p.sentinel: cpu for cpu, p in self.processes.items() if p is not None}
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=reclaim_every_s)
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=tick)
             for sentinel in ready:
                 cpu = sentinels[sentinel]
-                self._worker_died(cpu)
+                exitcode = self._worker_died(cpu)
+                if exitcode == LOAD_FAILED and self.load_failure is None:
+                    # The model does not load: restarting cannot help; stop, say why.
+                    self.load_failure = f"the worker on CPU {cpu} could not load the model"
+                    self._stop.set()
                 next_restart[cpu] = time.monotonic() + backoff[cpu]
                 backoff[cpu] = min(backoff[cpu] * 2, self.backoff_max)
             now = time.monotonic()
@@ -169,25 +278,213 @@ class Server:
                 # A worker that has served for a while earns a fresh backoff.
                 if process is not None and process.is_alive() and cpu not in next_restart:
                     backoff[cpu] = max(self.backoff_min, backoff[cpu] / 2)
+            self.check_deadlines()
             self.reclaim_dead_clients()
+
+    def check_deadlines(self):
+        """Kill a worker whose batch has run past --batch-deadline-s; it is restarted and
+        that batch's clients get an error saying so."""
+        now = time.monotonic_ns()
+        limit = self.batch_deadline_s * 1e9
+        for cpu, process in self.processes.items():
+            busy_since = self.status[cpu][0]
+            if process is None or not busy_since or now - busy_since <= limit:
+                continue
+            self._kill_reason[cpu] = (
+                f"batch exceeded deadline {self.batch_deadline_s:g}s; worker restarted"
+            )
+            log_event("batch_deadline", cpu=cpu, pid=process.pid, deadline_s=self.batch_deadline_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            self.status[cpu][0] = 0
 
     def _worker_died(self, cpu):
         process = self.processes[cpu]
         process.join(0)
         segment = self.segments[cpu]
         segment.set("worker_state", WORKER_DEAD)
+        reason = self._kill_reason.pop(cpu, None)
         failed = fail_inflight(
             segment,
-            f"worker on CPU {cpu} died (exit code {process.exitcode}) while processing this "
+            reason
+            or f"worker on CPU {cpu} died (exit code {process.exitcode}) while processing this "
             "request; it is being restarted",
         )
         log_event("worker_died", cpu=cpu, exitcode=process.exitcode, failed_requests=failed)
         self.processes[cpu] = None
+        return process.exitcode
+
+    # ------------------------------------------------------------ leases
+
+    def _serve_leases(self, listener):
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(timeout=0.1):
+                    if key.data is None:
+                        self._accept(selector, listener)
+                    else:
+                        self._readable(selector, key.data)
+        except (OSError, ValueError):  # the listener closed under us at stop
+            pass
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(selector, conn)
+            selector.close()
+
+    def _accept(self, selector, listener):
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if len(self._conns) >= _MAX_CONNECTIONS:
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock)
+        self._conns[sock.fileno()] = conn
+        selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _readable(self, selector, conn):
+        try:
+            data = conn.sock.recv(_MAX_LINE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(selector, conn)
+            return
+        if conn.leases is None:
+            return  # answered already; anything more is ignored until it closes
+        conn.buf += data
+        if b"\n" not in conn.buf:
+            if len(conn.buf) > _MAX_LINE:
+                self._drop(selector, conn)
+            return
+        line = conn.buf.split(b"\n", 1)[0]
+        conn.buf = b""
+        try:
+            request = json.loads(line)
+            count = int(request.get("slots", 0))
+            conn.pid = int(request.get("pid", 0))
+            if not 0 <= count <= 1 << 20:
+                raise ValueError("slots must be 0..2**20")
+            count = min(count, self.slots)
+        except (ValueError, TypeError, AttributeError) as exc:
+            self._reply(selector, conn, {"ok": False, "error": f"bad request: {exc}"})
+            return
+        refusal = None
+        with self._lease_mutex:
+            workers = []
+            for cpu in self.cpus:
+                slots = self._lease(cpu, conn, count)
+                if count and not slots:
+                    self._release(conn)
+                    refusal = (
+                        f"{segment_name(self.name, cpu)}: no free slot to lease (all held by "
+                        "other clients or answering departed ones); start the server with more "
+                        "--slots"
+                    )
+                    break
+                workers.append(
+                    {
+                        "cpu": cpu,
+                        "segment": segment_name(self.name, cpu),
+                        "geometry": list(self.segments[cpu].geometry),
+                        "slots": slots,
+                    }
+                )
+        if refusal is not None:
+            self._reply(selector, conn, {"ok": False, "error": refusal})
+            return
+        answer = {
+            "ok": True,
+            "name": self.name,
+            "pid": os.getpid(),
+            "instance": self.instance,
+            "protocol": PROTOCOL,
+            "workers": workers,
+        }
+        self._reply(selector, conn, answer, [self.segments[c].fd for c in self.cpus])
+
+    def _reply(self, selector, conn, answer, fds=()):
+        raw = json.dumps(answer).encode() + b"\n"
+        try:
+            if fds:
+                socket.send_fds(conn.sock, [raw], list(fds))
+            else:
+                conn.sock.send(raw)
+        except OSError:
+            self._drop(selector, conn)
+            return
+        if not answer.get("ok"):
+            self._drop(selector, conn)
+            return
+        if not conn.leases:
+            # No slots (a reader such as `shminfer stats`): nothing to keep open for.
+            conn.leases = None
+
+    def _lease(self, cpu, conn, count):
+        """Up to ``count`` slots nobody holds and no former holder's request occupies."""
+        segment = self.segments[cpu]
+        holders = self._holder[cpu]
+        leased = []
+        for index in range(self.slots):
+            if len(leased) == count:
+                break
+            if holders[index] is not None or int(segment.states[index]) in (READY, PROCESSING):
+                continue  # held, or a departed holder's request is still being answered
+            segment.states[index] = FREE
+            holders[index] = conn
+            self._generation[cpu][index] = generation = (
+                self._generation[cpu][index] + 1
+            ) & 0xFFFFFFFF
+            segment.slot_set(index, "generation", generation)
+            segment.slot_set(index, "owner_pid", conn.pid or 1)
+            leased.append([index, generation])
+        if leased:
+            conn.leases[cpu] = [index for index, _ in leased]
+        return leased
+
+    def _release(self, conn):
+        for cpu, slots in (conn.leases or {}).items():
+            segment = self.segments.get(cpu)
+            for index in slots:
+                if self._holder[cpu][index] is conn:
+                    self._holder[cpu][index] = None
+                    # A slot with a request in flight keeps its owner_pid (informational)
+                    # until the answer is in and reclaim_dead_clients frees it.
+                    if segment is not None and int(segment.states[index]) not in (
+                        READY,
+                        PROCESSING,
+                    ):
+                        segment.states[index] = FREE
+                        segment.slot_set(index, "owner_pid", 0)
+        conn.leases = {}
+
+    def _drop(self, selector, conn):
+        with self._lease_mutex:
+            self._release(conn)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            selector.unregister(conn.sock)
+        self._conns.pop(conn.sock.fileno(), None)
+        conn.sock.close()
 
     def reclaim_dead_clients(self):
-        """Free slots whose client process is gone (and whose request is not in flight)."""
-        for segment in self.segments.values():
-            segment.reclaim_orphaned()
+        """Free unleased slots whose last request has ended (a departed client's answer,
+        or a scribble): they go back to the pool."""
+        with self._lease_mutex:
+            for cpu, segment in self.segments.items():
+                holders = self._holder[cpu]
+                states = segment.states
+                for index in range(self.slots):
+                    if holders[index] is None and int(states[index]) not in (READY, PROCESSING):
+                        if int(states[index]) != FREE:
+                            states[index] = FREE
+                        if segment.owners[index]:
+                            segment.slot_set(index, "owner_pid", 0)
 
     def stop(self, *_):
         self._stop.set()
@@ -200,15 +497,27 @@ class Server:
                 if process.is_alive():
                     process.kill()
                     process.join()
+        if self._lock is not None and self._lock.fd is not None:
+            # Only the name's holder removes its files: a server that lost the race for
+            # the name never touches the winner's.
+            for path in (socket_path(self.name), registry_path(self.name)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._lease_thread is not None:
+            self._lease_thread.join(5)
+            self._lease_thread = None
         for segment in self.segments.values():
             segment.set("worker_state", WORKER_STOPPED)
-            fail_inflight(segment, "server stopped", states=(READY, PROCESSING))
-            segment.unlink()
+            fail_inflight(segment, f"server {self.name} stopped", states=(READY, PROCESSING))
             segment.close()
         self.segments.clear()
         self.processes.clear()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(registry_path(self.name))
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         if self._http is not None:
             self._http.shutdown()
             self._http = None
@@ -246,7 +555,12 @@ def run_server(server: Server, metrics_port: int | None = None) -> int:
     server.start()
     try:
         if metrics_port is not None:
-            port = server.serve_metrics(metrics_port)
+            try:
+                port = server.serve_metrics(metrics_port)
+            except OSError as exc:
+                raise QueueError(
+                    f"--metrics-port {metrics_port}: cannot listen on 127.0.0.1 ({exc.strerror})"
+                ) from None
             log_event("metrics_listening", address=f"127.0.0.1:{port}")
         log_event(
             "serving",
@@ -255,8 +569,11 @@ def run_server(server: Server, metrics_port: int | None = None) -> int:
             numa_node=server.numa_node,
             backend=server.backend,
             registry=registry_path(server.name),
+            socket=socket_path(server.name),
         )
         server.serve_forever()
     finally:
         server.stop()
+    if server.load_failure:
+        raise BackendError(server.load_failure + " (see worker_load_failed above)")
     return 0

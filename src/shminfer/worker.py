@@ -90,12 +90,16 @@ def worker_main(
     slow_wall_ms: float = 200.0,
     wait_mode: str = "futex",
     geometry=None,
+    segment_fd=None,
+    status=None,
 ) -> None:
+    """``segment_fd`` (inherited at spawn) and ``geometry`` come from the supervisor: the
+    header is writable by every client. ``status`` is private shared memory (not the
+    segment): [busy_since_ns] for the supervisor's batch deadline watchdog."""
     _die_with_parent()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
-    # The geometry comes from the supervisor: the header is writable by every client.
-    segment = Segment.attach(segment_name, geometry=geometry)
+    segment = Segment.from_fd(segment_fd, segment_name, geometry)
     try:
         backend = make_backend(backend_name)
         backend.load(model, threads)
@@ -127,6 +131,7 @@ def worker_main(
         slow_wall_ms=slow_wall_ms,
         wait_mode=wait_mode,
         cpu=cpu,
+        status=status,
     ).run()
 
 
@@ -152,8 +157,10 @@ class Worker:
         slow_wall_ms,
         wait_mode,
         cpu,
+        status=None,
     ):
         self.seg = segment
+        self.status = status
         self.backend = backend
         self.policy = policy
         self.min_batch = max(1, min_batch)
@@ -187,6 +194,10 @@ class Worker:
                 return
         doorbell = seg.get("doorbell")
         seg.set("worker_sleeping", 1)
+        # Announce, fence, re-check: a client that stored READY before our fence is seen
+        # by the re-check; one after it sees worker_sleeping=1 and wakes us (and if it
+        # bumped the doorbell first, the futex wait returns at once: the value differs).
+        _sys.full_fence()
         if not any_ready():
             _sys.futex_wait(seg.doorbell_addr, doorbell, _SAFETY_WAIT_S)
         seg.set("worker_sleeping", 0)
@@ -197,7 +208,10 @@ class Worker:
         if not ready:
             return []
         if len(ready) < self.min_batch and self.max_wait_ns:
-            oldest = min(seg.slot_get(i, "enqueue_ns") for i in ready)
+            # enqueue_ns is a peer's word: a far-future one must not keep the worker
+            # waiting (and spinning) for --min-batch; never wait past now + max_wait.
+            now = time.monotonic_ns()
+            oldest = min(now, *(seg.slot_get(i, "enqueue_ns") for i in ready))
             until = oldest + self.max_wait_ns
             while len(ready) < self.min_batch and time.monotonic_ns() < until:
                 ready = seg.ready_slots()
@@ -284,6 +298,8 @@ class Worker:
                 return
         total_rows = sum(e[2] for e in entries)
         self.policy.busy()
+        if self.status is not None:
+            self.status[0] = time.monotonic_ns()  # the watchdog's batch clock starts
         wall0 = time.perf_counter_ns()
         cpu0 = time.process_time_ns()
         thread0 = time.thread_time_ns()
@@ -297,6 +313,8 @@ class Worker:
         except Exception as exc:  # an engine's error for one batch
             outputs, error = None, repr(exc)
         wall = time.perf_counter_ns() - wall0
+        if self.status is not None:
+            self.status[0] = 0
         cpu = time.process_time_ns() - cpu0
         thread = time.thread_time_ns() - thread0
         self.policy.idle()
@@ -332,7 +350,9 @@ class Worker:
         seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
         for index in answered:
             seg.state_words[index] = DONE
-            seg.wake_slot(index)
+        _sys.full_fence()  # DONE stores before the loads of the waiter flags
+        for index in answered:
+            seg.wake_slot(index, fenced=True)
         if cpu > self.slow_cpu_ns or wall > self.slow_wall_ns:
             log_event(
                 "slow_infer",

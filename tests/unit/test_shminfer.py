@@ -272,22 +272,24 @@ def test_stale_segments_from_a_crash_are_removed_and_a_live_server_is_not_clobbe
 
 def test_segments_are_private_to_their_user():
     with serving() as server:
-        path = f"/dev/shm/{segment_name(server.name, server.cpus[0])}"
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        # The segments are sealed memfds handed over the socket: the socket is the door.
+        sock = f"/dev/shm/shminfer.{server.name}.sock"
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(registry_path(server.name)).st_mode) == 0o600
         if os.geteuid() != 0:
             pytest.skip("needs root to try as another user")
         code = (
             "import os\n"
-            "from shminfer.queue import Segment, QueueError\n"
+            "from shminfer.client import Client\n"
+            "from shminfer.queue import QueueError\n"
             "os.setgid(65534); os.setuid(65534)\n"
-            f"try:\n    Segment.attach({segment_name(server.name, server.cpus[0])!r})\n"
+            f"try:\n    Client({server.name!r})\n"
             "except QueueError as e:\n    print(e)\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
         )
-        assert "permission denied" in out.stdout, out.stderr
+        assert "permission denied" in out.stdout, out.stdout + out.stderr
 
 
 def test_queue_memory_is_bound_to_the_numa_node():

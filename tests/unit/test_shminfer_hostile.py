@@ -4,8 +4,11 @@ memory, each test fails (or would hang, bounded by its timeouts) without the fix
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -16,9 +19,10 @@ import uuid
 import numpy as np
 import pytest
 
-from shminfer.client import Client, InferenceError, Pending
-from shminfer.codec import Decoder, PayloadError
+from shminfer.client import Client, InferenceError, Pending, ServerStopped
+from shminfer.codec import Decoder, Encoder, PayloadError
 from shminfer.queue import DONE, ERROR, PROCESSING, QueueError
+from shminfer.registry import read_registry, registry_path, socket_path
 from shminfer.server import Server
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -70,7 +74,8 @@ def _lease(name, timeout=20.0, **kwargs):
         try:
             return Client(name, **kwargs)
         except QueueError as exc:
-            if "no free slot" not in str(exc) or time.monotonic() > deadline:
+            retry = ("no free slot", "no shminfer server", "not running", "is missing")
+            if not any(r in str(exc) for r in retry) or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
 
@@ -276,3 +281,306 @@ def test_a_scribbled_header_does_not_crash_loop_the_restarted_worker():
         time.sleep(0.5)
         assert server.restarts[server.cpus[0]] == 1, "the worker crash-loops"
         client.model  # noqa: B018 - must not raise on a scribbled model description
+
+
+# ---------------------------------------------------------------- 3: truncation, memory
+
+
+def test_no_peer_can_truncate_a_segment_and_the_server_keeps_serving():
+    with serving(slots=4) as server, Client(server.name) as client:
+        client.wait_ready(60)
+        seg = client.lanes[0].seg
+        assert not [
+            f for f in os.listdir("/dev/shm") if f.startswith(f"shminfer.{server.name}.cpu")
+        ]
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 4096)
+        # Re-opened through /proc (a fresh open file description): still sealed.
+        worker = seg.get("worker_pid")
+        reopened = os.open(f"/proc/self/fd/{seg.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(reopened, 4096)
+        finally:
+            os.close(reopened)
+        truncate = subprocess.run(
+            ["truncate", "-s", "4096", f"/proc/{worker}/fd/{seg.fd}"],
+            capture_output=True,
+            check=False,
+        )
+        assert truncate.returncode != 0
+        assert np.all(client.infer(_x(8.0), timeout=20)["y"] == 8.0)
+        assert seg.get("worker_pid") == worker and server.restarts[server.cpus[0]] == 0
+
+
+def test_a_segment_larger_than_memory_is_a_clear_error_not_a_sigbus():
+    name = f"h{uuid.uuid4().hex[:10]}"
+    server = Server(
+        name,
+        CPUS[-1:],
+        numa_node=-1,
+        backend="echo",
+        slots=4096,
+        request_bytes=1 << 30,
+        response_bytes=1 << 30,
+    )
+    with pytest.raises(QueueError, match=r"memory available|cannot allocate"):
+        server.start()
+    assert not os.path.exists(registry_path(name))
+    assert not os.path.exists(socket_path(name))
+
+
+# ---------------------------------------------------------------- 4: registry and names
+
+
+def test_the_registry_temp_file_never_follows_a_planted_symlink(tmp_path):
+    name = f"h{uuid.uuid4().hex[:10]}"
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    os.symlink(victim, registry_path(name) + ".tmp")
+    try:
+        with serving(name=name, server_options={"group": "root"}):
+            assert stat.S_IMODE(os.stat(registry_path(name)).st_mode) == 0o640
+            assert stat.S_IMODE(os.stat(socket_path(name)).st_mode) == 0o660
+            assert victim.read_text() == "precious\n"
+            assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(registry_path(name) + ".tmp")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_client_refuses_a_rewritten_or_planted_registry_and_socket(tmp_path):
+    with serving(slots=4) as server:
+        path = registry_path(server.name)
+        with open(path) as handle:
+            good = json.load(handle)
+        bad = dict(good, workers=[{"cpu": 0, "segment": "../../etc/shadow"}])
+        for data, mode, message in (
+            (bad, 0o640, "not this server's"),
+            (dict(good, socket="../../tmp/evil.sock"), 0o640, "not this server's"),
+            (good, 0o664, "writable by group"),
+        ):
+            with open(path, "w") as handle:
+                json.dump(data, handle)
+            os.chmod(path, mode)
+            with pytest.raises(QueueError, match=message):
+                read_registry(server.name)
+        os.chown(path, 65534, -1)
+        os.chmod(path, 0o640)
+        with pytest.raises(QueueError, match="not a trusted server user"):
+            read_registry(server.name)
+        os.unlink(path)
+        os.symlink(tmp_path / "elsewhere.json", path)
+        with pytest.raises(QueueError, match="symlink"):
+            read_registry(server.name)
+        os.unlink(path)
+        # A socket at the name that is not the server's: a regular file, or a stranger's.
+        sock = socket_path(server.name)
+        os.rename(sock, sock + ".real")
+        try:
+            with open(sock, "w") as handle:
+                handle.write("x")
+            with pytest.raises(QueueError, match="not a socket"):
+                Client(server.name, timeout=2)
+            os.unlink(sock)
+            os.link(sock + ".real", sock)
+            os.chown(sock, 65534, -1)
+            with pytest.raises(QueueError, match="not a trusted server user"):
+                Client(server.name, timeout=2)
+            os.chown(sock, 0, -1)
+            with Client(server.name, timeout=5) as client:
+                assert np.all(client.infer(_x(9.0), timeout=20)["y"] == 9.0)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sock)
+            os.rename(sock + ".real", sock)
+
+
+# ---------------------------------------------------------------- 6: hangs
+
+
+def test_a_hung_backend_is_killed_at_the_batch_deadline_and_the_slot_returns():
+    with (
+        serving(
+            backend="sleep", model="1e9", slots=2, server_options={"batch_deadline_s": 1}
+        ) as server,
+        Client(server.name, slots_per_worker=1, timeout=30) as client,
+    ):
+        client.wait_ready(60)
+        pending = client.start(_x(1.0))
+        t0 = time.monotonic()
+        with pytest.raises(InferenceError, match=r"batch exceeded deadline 1s; worker restarted"):
+            client.finish(pending)
+        assert time.monotonic() - t0 < 20
+        assert client.lanes[0].free == [pending.slot]  # the slot is back
+        _wait_for(lambda: server.restarts[server.cpus[0]] >= 1, 20, "a restart")
+
+
+def _encoded_request(client, value, enqueue_ns):
+    lane = client.lanes[0]
+    slot = lane.free.pop()
+    length = Encoder().encode_into(lane.requests[slot], _x(value))
+    seq = (lane.generation[slot] << 32) | 0x7777
+    lane.seg.slot_set(slot, "request_len", length)
+    lane.seg.slot_set(slot, "seq", seq)
+    lane.seg.slot_set(slot, "enqueue_ns", enqueue_ns)
+    lane.seg.state_words[slot] = 2
+    lane.seg.ring_doorbell()
+    return Pending(0, slot, seq, time.monotonic() + 20)
+
+
+def test_a_far_future_enqueue_time_does_not_stall_the_worker():
+    with (
+        serving(slots=4, min_batch=4, max_wait_us=2000) as server,
+        Client(server.name, slots_per_worker=4) as client,
+    ):
+        client.wait_ready(60)
+        pending = _encoded_request(client, 11.0, 2**64 - 1)
+        assert np.all(client.finish(pending, timeout=10)["y"] == 11.0)
+        assert np.all(client.infer(_x(12.0), timeout=10)["y"] == 12.0)
+
+
+def test_a_silent_peer_connection_stalls_nobody_and_client_timeouts_hold(tmp_path):
+    with serving(slots=4) as server:
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        silent.connect(socket_path(server.name))
+        silent.send(b'{"slots": 1')  # and never the end of the line
+        try:
+            with Client(server.name, timeout=5) as client:
+                assert np.all(client.infer(_x(13.0), timeout=10)["y"] == 13.0)
+        finally:
+            silent.close()
+    # A server that accepts and never answers: Client() gives up within its timeout.
+    name = f"h{uuid.uuid4().hex[:10]}"
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(socket_path(name))
+    os.chmod(socket_path(name), 0o600)
+    mute.listen(4)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(QueueError, match="no answer"):
+            Client(name, timeout=0.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        mute.close()
+        os.unlink(socket_path(name))
+
+
+def _serve_cli(name, *extra):
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shminfer.cli", "serve", "--name", name),
+            *("--cpus", str(CPUS[-1]), "--numa-node", "-1", "--backend", "echo"),
+            *("--sched", "off", *extra),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_two_servers_of_one_name_started_together_exactly_one_runs():
+    for _ in range(3):
+        name = f"h{uuid.uuid4().hex[:10]}"
+        procs = [_serve_cli(name), _serve_cli(name)]
+        try:
+            with _lease(name, timeout=60) as client:
+                client.wait_ready(60)
+                _wait_for(lambda ps=procs: any(p.poll() is not None for p in ps), 30, "an exit")
+                loser = next(p for p in procs if p.poll() is not None)
+                winner = next(p for p in procs if p is not loser)
+                err = loser.communicate(timeout=10)[1]
+                assert loser.returncode == 2, err
+                assert "already running" in err and "Traceback" not in err
+                assert len(err.strip().splitlines()) == 1, err
+                # The loser removed nothing of the winner's.
+                assert os.path.exists(registry_path(name)) and os.path.exists(socket_path(name))
+                assert np.all(client.infer(_x(14.0), timeout=10)["y"] == 14.0)
+                assert winner.poll() is None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(30)
+        assert not os.path.exists(registry_path(name))
+
+
+def test_killing_the_supervisor_says_server_stopped_and_clients_reattach():
+    name = f"h{uuid.uuid4().hex[:10]}"
+    first = _serve_cli(name, "--backend", "sleep", "--model", "500")
+    second = None
+    try:
+        client = None
+        deadline = time.monotonic() + 60
+        while client is None:
+            try:
+                client = Client(name, timeout=10)
+            except QueueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.wait_ready(60)
+        pending = client.start(_x(15.0))
+        time.sleep(0.1)
+        first.kill()
+        first.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(ServerStopped, match=f"server {name} stopped"):
+            client.finish(pending)
+        assert time.monotonic() - t0 < 5
+        second = _serve_cli(name)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                out = client.infer(_x(16.0), timeout=10)
+                break
+            except (ServerStopped, QueueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        assert np.all(out["y"] == 16.0)
+        client.close()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+
+
+# ---------------------------------------------------------------- 7: clear CLI errors
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--request-bytes", "0"), "--request-bytes must be 64.."),
+        (("--request-bytes", "lots"), "--request-bytes takes an integer"),
+        (("--metrics-port", "70000"), "--metrics-port must be 0..65535"),
+        (("--backend", "numpy", "--model", "/nonexistent/mlp.npz"), "cannot read"),
+        (("--backend", "numpy"), "needs --model"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_starting(extra, message):
+    name = f"h{uuid.uuid4().hex[:10]}"
+    proc = _serve_cli(name, *extra)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert message in err and "Traceback" not in err, err
+    assert "worker_ready" not in err and "worker_died" not in err
+    assert not os.path.exists(registry_path(name))
+
+
+def test_serve_with_a_busy_metrics_port_is_one_clear_line():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        name = f"h{uuid.uuid4().hex[:10]}"
+        proc = _serve_cli(name, "--metrics-port", str(busy.getsockname()[1]))
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "--metrics-port" in err and "Traceback" not in err, err
+        assert not os.path.exists(registry_path(name))
+    finally:
+        busy.close()
