@@ -300,7 +300,7 @@ class Server:
 
     def _worker_died(self, cpu):
         process = self.processes[cpu]
-        process.join(0)
+        process.join(1)  # its sentinel fired: reaped at once, exitcode set
         segment = self.segments[cpu]
         segment.set("worker_state", WORKER_DEAD)
         reason = self._kill_reason.pop(cpu, None)
