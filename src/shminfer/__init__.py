@@ -4,7 +4,7 @@ Samplers hand ndarray dicts to pinned worker processes through POSIX shared memo
 serialisation, no scheduler in the way. See README.md ("shminfer") for the design.
 """
 
-from shminfer.client import Client, InferenceError
+from shminfer.client import Client, InferenceError, ServerStopped
 
-__all__ = ["Client", "InferenceError"]
+__all__ = ["Client", "InferenceError", "ServerStopped"]
 __version__ = "0.1.0"
