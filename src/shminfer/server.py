@@ -33,6 +33,7 @@ from shminfer.queue import (
     PROCESSING,
     READY,
     WORKER_DEAD,
+    WORKER_READY,
     WORKER_STARTING,
     WORKER_STOPPED,
     QueueError,
@@ -49,6 +50,7 @@ from shminfer.registry import (
     socket_path,
     write_registry,
 )
+from shminfer.sdnotify import Notifier
 from shminfer.worker import log_event, worker_main
 
 # Thread limits for every math library a backend may pull in; set before the spawned
@@ -252,11 +254,20 @@ class Server:
         process.start()
         self.processes[cpu] = process
 
-    def serve_forever(self, reclaim_every_s=0.1):
+    def serve_forever(self, reclaim_every_s=0.1, notifier=None):
         next_restart = {}
         backoff = dict.fromkeys(self.cpus, self.backoff_min)
         tick = min(reclaim_every_s, 0.1)
+        # systemd (Type=notify): "started" once every worker is ready; WATCHDOG=1 only while
+        # this loop turns, so a wedged supervisor is restarted by WatchdogSec=.
+        notifier = notifier or Notifier({})
+        announced = False
         while not self._stop.is_set():
+            notifier.watchdog()
+            if not announced and all(
+                s.get("worker_state") == WORKER_READY for s in self.segments.values()
+            ):
+                announced = notifier.ready("%d workers ready" % len(self.segments))
             sentinels = {p.sentinel: cpu for cpu, p in self.processes.items() if p is not None}
             ready = multiprocessing.connection.wait(list(sentinels), timeout=tick)
             for sentinel in ready:
@@ -571,7 +582,11 @@ def run_server(server: Server, metrics_port: int | None = None) -> int:
             registry=registry_path(server.name),
             socket=socket_path(server.name),
         )
-        server.serve_forever()
+        notifier = Notifier()
+        try:
+            server.serve_forever(notifier=notifier)
+        finally:
+            notifier.stopping()
     finally:
         server.stop()
     if server.load_failure:
