@@ -176,6 +176,9 @@ class OpenVINOBackend(Backend):
                 "NUM_STREAMS": 1,
                 "PERFORMANCE_HINT": "LATENCY",
                 "ENABLE_CPU_PINNING": False,  # we pin the whole process ourselves
+                # OpenVINO picks bf16 by itself on CPUs with AVX512-BF16 or AMX: the same
+                # policy would answer differently from node to node (seen: 1e-2 off numpy).
+                "INFERENCE_PRECISION_HINT": "f32",
             },
         )
         self._request = compiled.create_infer_request()
