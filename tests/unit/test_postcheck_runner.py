@@ -33,6 +33,7 @@ def _render(tmp_path, load, duration=2, cpus="0", priority=95):
         __rtfleet_postcheck_load=load,
         __rtfleet_postcheck_housekeeping="0",
         __rtfleet_postcheck_cpus=cpus,
+        __rtfleet_postcheck_slice="rtfleet_check.slice",
         rtfleet_postcheck_priority=priority,
         rtfleet_postcheck_interval_us=1000,
         rtfleet_postcheck_duration=duration,
