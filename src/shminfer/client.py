@@ -104,7 +104,7 @@ def attach(name: str, slots_per_worker: int, timeout: float):
         raise QueueError(f"{path} is missing: is `shminfer serve --name {name}` running?") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise QueueError(f"{path} is not a socket (a symlink or file planted there?): refused")
-    check_owner(st, path)
+    check_owner(st, path, group_may_write=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds = []
     try:

@@ -76,15 +76,19 @@ def trusted_uids() -> set:
     return uids
 
 
-def check_owner(st, what: str, trusted=None) -> None:
-    """Refuse a file a stranger owns or others may write (an impostor or a rewritten one)."""
+def check_owner(st, what: str, trusted=None, *, group_may_write=False) -> None:
+    """Refuse a file a stranger owns or others may write (an impostor or a rewritten one).
+
+    ``group_may_write`` is for the server's socket: connecting to a unix socket needs write
+    permission, so a ``--group`` server's socket is 0660 by design; writing to it is only
+    connecting, and the peer's credentials are checked after that."""
     trusted = trusted_uids() if trusted is None else trusted
     if st.st_uid not in trusted:
         raise QueueError(
             f"{what} is owned by uid {st.st_uid}, not a trusted server user "
             f"({sorted(trusted)}; add one with SHMINFER_SERVER_USERS): refused"
         )
-    if stat.S_IMODE(st.st_mode) & 0o022:
+    if stat.S_IMODE(st.st_mode) & (0o002 if group_may_write else 0o022):
         raise QueueError(
             f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): refused"
         )

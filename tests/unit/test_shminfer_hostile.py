@@ -343,6 +343,13 @@ def test_the_registry_temp_file_never_follows_a_planted_symlink(tmp_path):
         with serving(name=name, server_options={"group": "root"}):
             assert stat.S_IMODE(os.stat(registry_path(name)).st_mode) == 0o640
             assert stat.S_IMODE(os.stat(socket_path(name)).st_mode) == 0o660
+            # Group members connect to the 0660 socket (it was refused as "group-writable").
+            with Client(name, timeout=5) as client:
+                assert np.all(client.infer(_x(3.0), timeout=20)["y"] == 3.0)
+            os.chmod(socket_path(name), 0o666)
+            with pytest.raises(QueueError, match="writable by group or others"):
+                Client(name, timeout=2)
+            os.chmod(socket_path(name), 0o660)
             assert victim.read_text() == "precious\n"
             assert stat.S_IMODE(victim.stat().st_mode) == 0o644
     finally:
