@@ -163,5 +163,6 @@ def test_system_services_stay_off_runtime_and_pod_cpus(host, rtfleet_plan):
 
 def test_slice_dropins_hold_the_housekeeping_cpus(host, rtfleet_plan):
     for unit in ("system.slice", "user.slice", "init.scope"):
-        allowed = host.run("systemctl show -P AllowedCPUs %s", unit).stdout.strip()
-        assert parse_cpulist(allowed) == rtfleet_plan["housekeeping"], unit
+        # systemctl prints the ranges space-separated ("0-1 12-13")
+        allowed = host.run("systemctl show -P AllowedCPUs %s", unit).stdout.split()
+        assert parse_cpulist(",".join(allowed)) == rtfleet_plan["housekeeping"], unit

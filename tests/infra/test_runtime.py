@@ -4,7 +4,8 @@ Read back from the running processes, not from the unit files: every process in 
 cgroup may run only on its group's CPUs (/proc/PID/status Cpus_allowed_list), each worker
 on exactly one of them; its memory policy is bind to the group's node and its own memory
 (heap, stacks, its queues in /dev/shm) sits on that node (/proc/PID/numa_maps); and it
-holds CAP_SYS_NICE and nothing else.
+holds no capability and runs sandboxed (Type=notify with a watchdog, private /dev, a
+system call filter) in rtfleet.slice, confined to its group's CPUs.
 Each unit answers `shminfer probe`. Run with --sudo (numa_maps of another user's process).
 """
 
@@ -20,7 +21,6 @@ from rtfleet.topology import parse_cpulist
 
 SHMINFER = "/opt/shminfer/venv/bin/shminfer"
 MODELS = "/var/lib/shminfer/models"
-CAP_SYS_NICE = 1 << 23
 # \036 starts a process, \037 separates its status from its numa_maps.
 _PROCS = (
     "cg=$(systemctl show --property=ControlGroup --value %s); "
@@ -101,11 +101,14 @@ def test_unit_memory_is_bound_to_its_node(host, rtfleet_plan):
             # Memory the process allocated itself: anonymous mappings (heap, stacks, arenas)
             # and its own queues in /dev/shm. Shared libraries' page cache may have been
             # read in by another unit, on another node, first.
-            own = "file=/dev/shm/shminfer.%s." % group["name"]
+            own = (
+                "file=/dev/shm/shminfer.%s." % group["name"],
+                "file=/memfd:shminfer.%s." % group["name"],  # the sealed queue segments
+            )
             elsewhere = {
                 n
                 for m in proc["numa_maps"]
-                if "file=" not in m or own in m
+                if "file=" not in m or any(o in m for o in own)
                 for n in re.findall(r" N(\d+)=", m)
                 if int(n) != node
             }
@@ -117,19 +120,46 @@ def test_unit_memory_is_bound_to_its_node(host, rtfleet_plan):
             )
 
 
-def test_unit_holds_cap_sys_nice_and_nothing_else(host, rtfleet_plan):
+def test_unit_holds_no_capability(host, rtfleet_plan):
+    # SCHED_FIFO comes from LimitRTPRIO= alone; CAP_SYS_NICE would let a compromised worker
+    # re-prioritise any process on the host.
     for group in _groups(rtfleet_plan):
         unit = "shminfer@%s.service" % group["name"]
         for proc in _processes(host, unit):
             status = proc["status"]
-            assert int(status["CapEff"], 16) == CAP_SYS_NICE, "%s pid %d CapEff %s" % (
+            assert int(status["CapEff"], 16) == 0, "%s pid %d CapEff %s" % (
                 unit,
                 proc["pid"],
                 status["CapEff"],
             )
-            assert int(status["CapBnd"], 16) == CAP_SYS_NICE
+            assert int(status["CapBnd"], 16) == 0
             assert status["NoNewPrivs"].strip() == "1"
             assert status["Uid"].split()[0] != "0", "%s runs as root" % unit
+
+
+_HARDENING = (
+    "Type,WatchdogUSec,PrivateDevices,ProcSubset,ProtectProc,SystemCallFilter,"
+    "IPAddressDeny,MemoryMax,TasksMax,Slice,AllowedCPUs,ControlGroup"
+)
+
+
+def test_unit_is_sandboxed_and_confined_to_its_group(host, rtfleet_plan):
+    for group in _groups(rtfleet_plan):
+        unit = "shminfer@%s.service" % group["name"]
+        out = host.run("systemctl show --property=%s %s", _HARDENING, unit).stdout
+        shown = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        assert shown["Type"] == "notify" and shown["WatchdogUSec"] not in ("0", "infinity")
+        assert shown["PrivateDevices"] == "yes" and shown["ProcSubset"] == "pid"
+        assert shown["ProtectProc"] == "invisible"
+        assert shown["SystemCallFilter"], "%s has no system call filter" % unit
+        assert shown["MemoryMax"] != "infinity" and shown["TasksMax"] != "infinity"
+        assert shown["Slice"] == "rtfleet.slice"
+        assert parse_cpulist(shown["AllowedCPUs"].replace(" ", ",")) == group["cpus"]
+        # The cgroup's effective cpuset is the group's CPUs, whatever a thread asks for.
+        effective = read_files(
+            host, "/sys/fs/cgroup%s/cpuset.cpus.effective" % shown["ControlGroup"]
+        )
+        assert parse_cpulist(next(iter(effective.values())).strip()) == group["cpus"]
 
 
 def test_units_answer_their_probe(host, rtfleet_plan):
