@@ -7,10 +7,17 @@ processes (client on --client-cpu, server on --server-cpu):
 * pipe_pickle  -- multiprocessing.Pipe + pickle
 * tcp_pickle   -- TCP over loopback + pickle, length-prefixed
 * sleep_poll   -- the field reports' design: the same SHM slots, 0.5 ms sleep polling
+* iceoryx2     -- iceoryx2's Python request/response (when ``import iceoryx2`` works: the
+                  optional ``bench`` extra), fixed-size ctypes payloads written in place,
+                  both sides busy-polling ``receive()``, the response held (zero-copy) until
+                  the next call, as shminfer's ``finish(copy=False)`` views are
 
 For each it prints p50/p99/p99.9/max round trip and sequential throughput, then for
-shminfer and pipe_pickle: throughput with 4 requests in flight and the first request
-after 1 s idle; and, with a 1-thread numpy model, shminfer's deschedule p99.
+shminfer, pipe_pickle and iceoryx2: throughput with 4 requests in flight, and for
+shminfer and pipe_pickle the first request after 1 s idle; with a 1-thread numpy model,
+shminfer's deschedule p99. Last, the issue's targets as PASS/FAIL lines, from this run:
+shminfer p50 <= 0.5x iceoryx2's, >= 20x faster than Pipe+pickle, >= 100k req/s with 4 in
+flight, and the first request after 1 s idle faster than Pipe's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 import numpy as np
 
 WIDTH = 4096  # float32 -> 16 KiB in, 32 KiB out
+VARIANTS = ("shminfer", "pipe_pickle", "tcp_pickle", "sleep_poll", "iceoryx2")
 
 
 def _pin(cpu):
@@ -137,6 +145,115 @@ class _TcpVariant:
         self.proc.join(5)
 
 
+# ---------------------------------------------------------------- iceoryx2
+
+
+def iceoryx2_available() -> bool:
+    try:
+        import iceoryx2  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def _iox_service(iox2, node, name):
+    import ctypes  # noqa: PLC0415
+
+    return (
+        node.service_builder(iox2.ServiceName.new(name))
+        .request_response(ctypes.c_float * WIDTH, ctypes.c_float * (2 * WIDTH))
+        .max_active_requests_per_client(8)
+        .open_or_create()
+    )
+
+
+def _iox_server(name, cpu, ready):
+    import ctypes  # noqa: PLC0415
+
+    import iceoryx2 as iox2  # noqa: PLC0415
+
+    _pin(cpu)
+    iox2.set_log_level_from_env_or(iox2.LogLevel.Error)
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    server = _iox_service(iox2, node, name).server_builder().create()
+    ready.set()
+    request_type = ctypes.c_char * (4 * WIDTH)
+    response_type = ctypes.c_char * (8 * WIDTH)
+    while True:
+        request = server.receive()
+        if request is None:
+            continue
+        x = np.frombuffer(request_type.from_address(request.payload_ptr), np.float32)
+        if np.isnan(x[0]):  # the stop request
+            request.delete()
+            return
+        response = request.loan_uninit()
+        y = np.frombuffer(response_type.from_address(response.payload_ptr), np.float32)
+        y[:WIDTH] = x
+        y[WIDTH:] = x
+        response.assume_init().send()
+        request.delete()
+
+
+class _IceoryxVariant:
+    """iceoryx2 request/response: the client writes the request into loaned shared memory,
+    sends, and busy-polls its pending response; the answer stays loaned until the next
+    call (zero-copy, like shminfer's ``finish(copy=False)``)."""
+
+    def __init__(self, ctx, server_cpu):
+        import ctypes  # noqa: PLC0415
+
+        import iceoryx2 as iox2  # noqa: PLC0415
+
+        self._memmove = ctypes.memmove
+        self._response_type = ctypes.c_char * (8 * WIDTH)
+        name = f"shminfer_bench/iox{os.getpid()}"
+        ready = ctx.Event()
+        self.proc = ctx.Process(target=_iox_server, args=(name, server_cpu, ready), daemon=True)
+        self.proc.start()
+        if not ready.wait(60):
+            self.proc.kill()
+            raise RuntimeError("iceoryx2 bench server did not start")
+        iox2.set_log_level_from_env_or(iox2.LogLevel.Error)
+        self.node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+        self.service = _iox_service(iox2, self.node, name)
+        self.client = self.service.client_builder().create()
+        self._held = []  # responses the caller may still be reading
+
+    def send(self, inputs):
+        x = inputs["x"]
+        request = self.client.loan_uninit()
+        self._memmove(request.payload_ptr, x.ctypes.data, x.nbytes)
+        return request.assume_init().send()
+
+    def recv_from(self, pending):
+        while True:
+            response = pending.receive()
+            if response is not None:
+                break
+        pending.delete()
+        while len(self._held) >= 4:
+            self._held.pop(0).delete()
+        self._held.append(response)
+        y = np.frombuffer(self._response_type.from_address(response.payload_ptr), np.float32)
+        return {"y": y.reshape(1, 2 * WIDTH)}
+
+    def call(self, inputs):
+        for response in self._held:
+            response.delete()
+        self._held.clear()
+        return self.recv_from(self.send(inputs))
+
+    def close(self):
+        for response in self._held:
+            response.delete()
+        self._held.clear()
+        self.send({"x": np.full((1, WIDTH), np.nan, np.float32)}).delete()
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 class _ShmVariant:
     def __init__(self, server_cpu, *, wait_mode="futex", backend="echo", model=None, name=None):
         from shminfer.client import Client  # noqa: PLC0415
@@ -177,6 +294,13 @@ def _in_flight(variant, inputs, requests, depth=4):
             pending.append(client.start(inputs))
         for p in pending:
             client.finish(p, copy=False)
+    elif isinstance(variant, _IceoryxVariant):
+        pending = [variant.send(inputs) for _ in range(depth)]
+        for _ in range(requests - depth):
+            variant.recv_from(pending.pop(0))
+            pending.append(variant.send(inputs))
+        for p in pending:
+            variant.recv_from(p)
     else:
         for _ in range(depth):
             variant.send(inputs)
@@ -228,9 +352,13 @@ def main(args) -> int:
     everywhere = os.sched_getaffinity(0)
     inputs = {"x": np.random.default_rng(0).standard_normal((1, WIDTH)).astype(np.float32)}
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(names) - {"shminfer", "pipe_pickle", "tcp_pickle", "sleep_poll"})
+    unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown variants {unknown}")
+    skipped = []
+    if "iceoryx2" in names and not iceoryx2_available():
+        names.remove("iceoryx2")
+        skipped.append("iceoryx2 (not installed: pip install 'rtfleet[bench]')")
     results = {}
     extras = {}
     for name in names:
@@ -242,6 +370,8 @@ def main(args) -> int:
             variant = _ShmVariant(args.server_cpu, wait_mode="sleep")
         elif name == "pipe_pickle":
             variant = _PipeVariant(ctx, args.server_cpu)
+        elif name == "iceoryx2":
+            variant = _IceoryxVariant(ctx, args.server_cpu)
         else:
             variant = _TcpVariant(ctx, args.server_cpu)
         _pin(args.client_cpu)
@@ -258,9 +388,13 @@ def main(args) -> int:
                     "after_1s_idle_p50_us": _after_idle(variant, inputs, args.idle_samples),
                 }
                 results[name].update(extras[name])
+            elif name == "iceoryx2":
+                results[name]["rps_4_in_flight"] = _in_flight(variant, inputs, requests)
         finally:
             variant.close()
-    report = {"variants": results}
+    report = {"variants": results, "load_avg_1m": round(os.getloadavg()[0], 2)}
+    if skipped:
+        report["skipped"] = skipped
     if "shminfer" in results:
         os.sched_setaffinity(0, everywhere)
         summary = _deschedule(args.server_cpu, args.client_cpu, min(args.requests, 5000))
@@ -272,13 +406,40 @@ def main(args) -> int:
         }
         base = results["shminfer"]["p50_us"]
         report["ratios_vs_shminfer_p50"] = {
-            n: round(r["p50_us"] / base, 1) for n, r in results.items() if n != "shminfer"
+            n: round(r["p50_us"] / base, 2) for n, r in results.items() if n != "shminfer"
         }
+        report["targets"] = targets(results)
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
         _print(report)
     return 0
+
+
+def targets(results) -> list:
+    """Issue 12's speed targets, judged from this run's numbers: [(name, value, pass)]."""
+    shm = results["shminfer"]
+    out = []
+    if "iceoryx2" in results:
+        ratio = shm["p50_us"] / results["iceoryx2"]["p50_us"]
+        out.append(("shminfer p50 / iceoryx2 p50 <= 0.5", round(ratio, 3), ratio <= 0.5))
+    if "pipe_pickle" in results:
+        pipe = results["pipe_pickle"]
+        ratio = pipe["p50_us"] / shm["p50_us"]
+        out.append(("pipe_pickle p50 / shminfer p50 >= 20", round(ratio, 1), ratio >= 20))
+        if "after_1s_idle_p50_us" in shm and "after_1s_idle_p50_us" in pipe:
+            ours, theirs = shm["after_1s_idle_p50_us"], pipe["after_1s_idle_p50_us"]
+            out.append(
+                (
+                    "first request after 1 s idle (µs): shminfer < pipe_pickle",
+                    f"{ours} vs {theirs}",
+                    ours < theirs,
+                )
+            )
+    if "rps_4_in_flight" in shm:
+        rps = shm["rps_4_in_flight"]
+        out.append(("shminfer req/s with 4 in flight >= 100000", rps, rps >= 100_000))
+    return out
 
 
 def _print(report):
@@ -319,3 +480,8 @@ def _print(report):
             f"1-thread numpy MLP on shminfer: deschedule p50 {d['p50_ms']} ms, p99 {d['p99_ms']} "
             f"ms, p99.9 {d['p999_ms']} ms; process/thread CPU ratio {d['cpu_ratio']}"
         )
+    for note in report.get("skipped", []):
+        console.print(f"skipped: {note}")
+    console.print(f"load average (1 min) at the end: {report['load_avg_1m']}")
+    for name, value, ok in report.get("targets", []):
+        console.print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
