@@ -358,7 +358,7 @@ def main(args) -> int:
     skipped = []
     if "iceoryx2" in names and not iceoryx2_available():
         names.remove("iceoryx2")
-        skipped.append("iceoryx2 (not installed: pip install 'rtfleet[bench]')")
+        skipped.append("iceoryx2 (not installed: pip install iceoryx2, or rtfleet's bench extra)")
     results = {}
     extras = {}
     for name in names:
