@@ -42,18 +42,22 @@ def _bounded(flag: str, low: int, high: int):
     return parse
 
 
-def _node_of(cpus: list[int]) -> int:
-    """The NUMA node all of ``cpus`` sit on, from rtfleet's topology reader."""
+def _node_of(cpus: list[int], root: str = "/") -> int:
+    """The memory node for ``cpus``: the NUMA node they all sit on, or, when that node has
+    no memory (a socket without DIMMs), the nearest node with memory (rtfleet's topology
+    reader says which)."""
     from rtfleet.topology import read_topology  # noqa: PLC0415
 
-    topology = read_topology("/")
-    nodes = {n["id"] for n in topology["numa_nodes"] if set(cpus) & set(n["cpus"])}
+    topology = read_topology(root)
+    nodes = {n["id"]: n for n in topology["numa_nodes"] if set(cpus) & set(n["cpus"])}
     if len(nodes) != 1:
         raise QueueError(
             f"CPUs {cpus} span NUMA nodes {sorted(nodes)}: run one server per node "
             "(one per CCX), or pass --numa-node explicitly"
         )
-    return nodes.pop()
+    node = nodes.popitem()[1]
+    memory_node = node.get("memory_node")
+    return node["id"] if memory_node is None else memory_node
 
 
 def cmd_serve(args) -> int:

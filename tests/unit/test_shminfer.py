@@ -474,3 +474,17 @@ def test_cli_refuses_bad_input_with_one_line(args, message):
     assert bad.returncode == 2
     assert message in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_serve_binds_memory_of_a_memoryless_node_to_the_nearest_node(trees):
+    """Without --numa-node, serve binds its segments to the CPUs' node, or, on a socket
+    without DIMMs, to the node its memory comes from (never to a node with no memory)."""
+    from rtfleet.topology import read_topology
+    from shminfer.cli import _node_of
+
+    root = str(trees("xeon-2s-memoryless-node0"))
+    topology = read_topology(root)
+    memoryless = next(n for n in topology["numa_nodes"] if not n["has_memory"] and n["cpus"])
+    with_memory = next(n for n in topology["numa_nodes"] if n["has_memory"] and n["cpus"])
+    assert _node_of(memoryless["cpus"][:2], root) == memoryless["memory_node"] != memoryless["id"]
+    assert _node_of(with_memory["cpus"][:2], root) == with_memory["id"]
