@@ -9,7 +9,7 @@ STAMP := $(VENV)/.rtfleet-installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # Lab hosts for the demo: NAME=TOPOLOGY (see lab/topologies/).
-DEMO_HOSTS ?= server1=server-nps2 vmware1=vmware-like
+DEMO_HOSTS ?= epyc1=epyc-2ccx vmware1=vmware-like
 
 .PHONY: help setup deps demo demo-down test test-vm lint unit molecule molecule-all bench clean
 
@@ -67,7 +67,7 @@ molecule: setup deps
 	    || { .ci/excerpt $(LOGDIR)/molecule-$$s.log; exit 1; }; done
 
 molecule-all:
-	$(MAKE) molecule MOLECULE_SCENARIOS="lab-smoke host kubelet site"
+	$(MAKE) molecule MOLECULE_SCENARIOS="lab-smoke host kubelet site site-server"
 
 test: lint unit molecule
 
