@@ -10,12 +10,12 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
+from shminfer_serving import CPUS, serving
 
 from shminfer import _sys
 from shminfer.backends import BackendError, make_backend, make_model
@@ -24,37 +24,6 @@ from shminfer.codec import Decoder, Encoder, PayloadError
 from shminfer.queue import FREE, PROCESSING, QueueError, Segment
 from shminfer.registry import registry_path, segment_name
 from shminfer.server import Server
-
-CPUS = sorted(os.sched_getaffinity(0))
-
-
-@contextlib.contextmanager
-def serving(backend="echo", model=None, cpus=None, name=None, **options):
-    name = name or f"t{uuid.uuid4().hex[:10]}"
-    server = Server(
-        name,
-        cpus or CPUS[-1:],
-        numa_node=-1,
-        backend=backend,
-        model=model,
-        slots=32,
-        request_bytes=options.pop("request_bytes", 65536),
-        response_bytes=1 << 17,
-        restart_backoff_s=(0.05, 0.5),
-        worker_options={"sched": "off", **options},
-    )
-    server.start()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"reclaim_every_s": 0.1})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server._stop.set()
-        thread.join()
-        server.stop()
-        assert not os.path.exists(registry_path(name))
-        for cpu in server.cpus:
-            assert not os.path.exists(f"/dev/shm/{segment_name(name, cpu)}")
 
 
 def _x(value, rows=1, width=4096):

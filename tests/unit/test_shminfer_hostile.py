@@ -12,12 +12,13 @@ import stat
 import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
+from shminfer_serving import CPUS
+from shminfer_serving import serving as _serving
 
 from shminfer.client import Client, InferenceError, Pending, ServerStopped
 from shminfer.codec import Decoder, Encoder, PayloadError
@@ -25,34 +26,12 @@ from shminfer.queue import DONE, ERROR, PROCESSING, QueueError
 from shminfer.registry import read_registry, registry_path, socket_path
 from shminfer.server import Server
 
-CPUS = sorted(os.sched_getaffinity(0))
 
-
-@contextlib.contextmanager
-def serving(backend="echo", model=None, *, slots=8, name=None, server_options=None, **options):
-    name = name or f"h{uuid.uuid4().hex[:10]}"
-    server = Server(
-        name,
-        CPUS[-1:],
-        numa_node=-1,
-        backend=backend,
-        model=model,
-        slots=slots,
-        request_bytes=65536,
-        response_bytes=1 << 17,
-        restart_backoff_s=(0.05, 0.5),
-        worker_options={"sched": "off", **options},
-        **(server_options or {}),
+def serving(*args, slots=8, **kwargs):
+    """Hostile tests remove and replace the server's files themselves: no cleanup check."""
+    return _serving(
+        *args, slots=slots, prefix="h", reclaim_every_s=0.05, check_cleanup=False, **kwargs
     )
-    server.start()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"reclaim_every_s": 0.05})
-    thread.start()
-    try:
-        yield server
-    finally:
-        server._stop.set()
-        thread.join(30)
-        server.stop()
 
 
 def _x(value, rows=1, width=64):
