@@ -61,6 +61,16 @@ class EchoBackend(Backend):
         return {"y": out}
 
 
+def _milliseconds(backend, model):
+    """The drill backends' --model: milliseconds (1 without one)."""
+    try:
+        return float(1.0 if model is None else model)
+    except ValueError:
+        raise BackendError(
+            f"the {backend} backend takes --model MILLISECONDS, got {model!r}"
+        ) from None
+
+
 class BurnBackend(EchoBackend):
     """Burns a fixed amount of CPU per batch (``--model MS``), then echoes.
 
@@ -71,12 +81,7 @@ class BurnBackend(EchoBackend):
     name = "burn"
 
     def load(self, model=None, threads=1):
-        try:
-            self._burn_ns = int(float(model or 1.0) * 1e6)
-        except ValueError:
-            raise BackendError(
-                f"the burn backend takes --model MILLISECONDS, got {model!r}"
-            ) from None
+        self._burn_ns = int(_milliseconds(self.name, model) * 1e6)
         self._width = 4096
 
     def infer(self, inputs):
@@ -93,12 +98,7 @@ class SleepBackend(EchoBackend):
     name = "sleep"
 
     def load(self, model=None, threads=1):
-        try:
-            self._sleep_s = float(model or 1.0) / 1e3
-        except ValueError:
-            raise BackendError(
-                f"the sleep backend takes --model MILLISECONDS, got {model!r}"
-            ) from None
+        self._sleep_s = _milliseconds(self.name, model) / 1e3
         self._width = 4096
 
     def infer(self, inputs):
@@ -233,13 +233,8 @@ def check_model(backend: str, model: str | None) -> None:
                 raise BackendError(
                     f"--model {model}: cannot read {path} ({exc.strerror})"
                 ) from None
-    elif backend in ("burn", "sleep") and model is not None:
-        try:
-            float(model)
-        except ValueError:
-            raise BackendError(
-                f"the {backend} backend takes --model MILLISECONDS, got {model!r}"
-            ) from None
+    elif backend in ("burn", "sleep"):
+        _milliseconds(backend, model)
 
 
 def make_backend(name: str) -> Backend:
