@@ -13,7 +13,14 @@ from shminfer.backends import BACKENDS, BackendError, make_model
 from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
 from shminfer.metrics import summarize
-from shminfer.queue import MAX_SLOT_BYTES, MAX_SLOTS, RING_FIELDS, QueueError
+from shminfer.queue import (
+    CPU_EXACT_NS,
+    CPU_NOT_MEASURED,
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    RING_FIELDS,
+    QueueError,
+)
 from shminfer.registry import read_registry
 
 
@@ -116,6 +123,14 @@ _WALL_COL = RING_FIELDS.index("wall_ns")
 
 
 def cmd_smoke(args) -> int:
+    if args.max_deschedule_p999_ms < CPU_EXACT_NS / 1e6:
+        # Below it, a short batch's deschedule is an upper bound (its wall time), not exact.
+        print(
+            f"shminfer smoke: --max-deschedule-p999-ms must be at least {CPU_EXACT_NS / 1e6} "
+            "(the worker measures CPU time exactly for batches of 0.1 ms or more)",
+            file=sys.stderr,
+        )
+        return 2
     rng = np.random.default_rng(0)
     with _connect(args) as client:
         client.wait_ready(args.ready_timeout)
@@ -151,7 +166,10 @@ def cmd_smoke(args) -> int:
         "latency_ms_max": float(lat.max()),
         "slow_infer": int(
             (
-                (records[:, _CPU_COL] > args.slow_cpu_ms * 1e6)
+                (
+                    (records[:, _CPU_COL] > args.slow_cpu_ms * 1e6)
+                    & (records[:, _CPU_COL] < float(CPU_NOT_MEASURED >> 1))
+                )
                 | (records[:, _WALL_COL] > args.slow_wall_ms * 1e6)
             ).sum()
         )

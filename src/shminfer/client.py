@@ -20,8 +20,17 @@ from shminfer.queue import (
     DONE,
     ERROR,
     FREE,
+    H32_WORKER_STATE,
     PROCESSING,
     READY,
+    S32,
+    S32_REQUEST_LEN,
+    S32_RESPONSE_LEN,
+    S32_WAITER,
+    S64,
+    S64_ENQUEUE_NS,
+    S64_RESPONSE_SEQ,
+    S64_SEQ,
     WORKER_READY,
     WRITING,
     QueueError,
@@ -69,6 +78,10 @@ class _Lane:
         self.abandoned = []
         self.requests = {i: segment.request_view(i) for i in slots}
         self.responses = {i: segment.response_view(i) for i in slots}
+        # slot -> (request view, response view, lease generation << 32): one lookup a request
+        self.hot = {
+            i: (self.requests[i], self.responses[i], self.generation[i] << 32) for i in slots
+        }
         self.encoder = Encoder()
         self.decoder = Decoder()
 
@@ -247,7 +260,7 @@ class Client:
         if (
             self._stale
             or not self.lanes
-            or (self.lanes[0].seg.get("worker_state") != WORKER_READY and self._server_gone())
+            or (self.lanes[0].seg.head32[H32_WORKER_STATE] != WORKER_READY and self._server_gone())
         ):
             self._reattach()
         lane_index = None
@@ -265,9 +278,10 @@ class Client:
         seg = lane.seg
         words = seg.state_words
         slot = lane.free.pop()
+        request, _response, generation = lane.hot[slot]
         words[slot] = WRITING
         try:
-            length = lane.encoder.encode_into(lane.requests[slot], inputs, slot=slot)
+            length = lane.encoder.encode_into(request, inputs, slot=slot)
         except PayloadError as exc:
             words[slot] = FREE
             lane.free.append(slot)
@@ -281,10 +295,11 @@ class Client:
             raise
         # The request tag: the slot's lease generation and a per-client counter. The worker
         # echoes it with the answer; an answer under another tag is someone else's.
-        seq = (lane.generation[slot] << 32) | (next(self._seq) & 0xFFFFFFFF)
-        seg.slot_set(slot, "request_len", length)
-        seg.slot_set(slot, "seq", seq)
-        seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
+        seq = generation | (next(self._seq) & 0xFFFFFFFF)
+        seg.slot32[slot * S32 + S32_REQUEST_LEN] = length
+        fields = seg.slot64
+        fields[slot * S64 + S64_SEQ] = seq
+        fields[slot * S64 + S64_ENQUEUE_NS] = time.monotonic_ns()
         words[slot] = READY
         seg.ring_doorbell()
         return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
@@ -297,6 +312,9 @@ class Client:
                     return None
                 time.sleep(0.0005)
             return states[slot]
+        state = states[slot]
+        if state not in _IN_FLIGHT:
+            return state
         clock = time.perf_counter_ns
         spin_until = clock() + self.spin_ns
         while clock() < spin_until:
@@ -304,29 +322,30 @@ class Client:
             if state not in _IN_FLIGHT:
                 return state
         addr = lane.seg.state_addr(slot)
-        waiters = lane.seg.waiters
+        waiters = lane.seg.slot32
+        waiter = slot * S32 + S32_WAITER
         while True:
-            waiters[slot] = 1
+            waiters[waiter] = 1
             # Store (waiters) -> load (state) must not be reordered, or the worker's
             # "publish DONE, then read waiters" can pass ours: see _sys.full_fence.
             _sys.full_fence()
             state = states[slot]
             if state not in _IN_FLIGHT:
-                waiters[slot] = 0
+                waiters[waiter] = 0
                 return state
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                waiters[slot] = 0
+                waiters[waiter] = 0
                 return None
             if not _sys.futex_wait(addr, state, min(remaining, _SAFETY_WAIT_S)) and (
                 self._server_gone()
             ):
-                waiters[slot] = 0
+                waiters[waiter] = 0
                 return _GONE
 
     def finish(self, pending: Pending, timeout: float | None = None, copy: bool = True) -> dict:
         lane = pending.lane or self.lanes[pending.worker]
-        if not any(lane is mine for mine in self.lanes):
+        if lane not in self.lanes:  # identity: _Lane has no __eq__
             self._stale = self._stale or not self.lanes
             raise ServerStopped(
                 f"server {self.name} stopped while request {pending.seq:#x} was out "
@@ -355,8 +374,8 @@ class Client:
                 f"request {pending.seq:#x} to {seg.path}: its slot's state word became "
                 f"{state:#x}, not an answer (another process wrote over it); refused"
             )
-        length = seg.slot_get(slot, "response_len")
-        answered = seg.slot_get(slot, "response_seq")
+        length = seg.slot32[slot * S32 + S32_RESPONSE_LEN]
+        answered = seg.slot64[slot * S64 + S64_RESPONSE_SEQ]
         if answered != pending.seq:
             seg.state_words[slot] = FREE
             lane.free.append(slot)
@@ -373,7 +392,7 @@ class Client:
                 raise ServerStopped(message)
             raise InferenceError(message)
         try:
-            outputs = lane.decoder.decode(lane.responses[slot], length, slot=slot)
+            outputs = lane.decoder.decode(lane.hot[slot][1], length, slot=slot)
         except PayloadError as exc:
             seg.state_words[slot] = FREE
             lane.free.append(slot)
@@ -397,6 +416,7 @@ class Client:
             try:
                 lane.requests.clear()
                 lane.responses.clear()
+                lane.hot.clear()
                 lane.seg.close()
             except (OSError, ValueError):
                 pass

@@ -85,6 +85,10 @@ class Encoder:
         self._layouts: dict = {}
         self._dests: dict = {}
         self._max = max_layouts
+        # slot -> (buf, ((name, dtype, shape), ...), header, total, dests): the layout last
+        # written to that slot; the same layout again is checked field by field (no key
+        # tuple, no dict of layouts) and costs a header write and one copy per array.
+        self._last: dict = {}
 
     def layout(self, arrays: dict) -> Layout:
         key = tuple((name, a.dtype, a.shape) for name, a in arrays.items())
@@ -96,11 +100,32 @@ class Encoder:
             if len(self._layouts) >= self._max:
                 self._layouts.clear()
                 self._dests.clear()
+                self._last.clear()
             layout = self._layouts[key] = _build_layout(spec)
         return layout
 
     def encode_into(self, buf: memoryview, arrays: dict, slot=None) -> int:
         """Copy ``arrays`` into ``buf``; returns the payload length."""
+        last = self._last.get(slot) if slot is not None else None
+        if last is not None and last[0] is buf and len(last[1]) == len(arrays):
+            for (name, array), (want_name, dtype, shape) in zip(arrays.items(), last[1]):
+                if (
+                    type(array) is not np.ndarray
+                    or name != want_name
+                    or (array.dtype is not dtype and array.dtype != dtype)
+                    or array.shape != shape
+                ):
+                    break
+            else:
+                header = last[2]
+                buf[: len(header)] = header
+                for dest, array in zip(last[4], arrays.values()):
+                    if dest is not None:
+                        dest[...] = array  # same dtype and shape: a plain copy
+                return last[3]
+        return self._encode_slow(buf, arrays, slot)
+
+    def _encode_slow(self, buf, arrays, slot):
         if not all(type(a) is np.ndarray for a in arrays.values()):
             arrays = {name: np.asarray(a) for name, a in arrays.items()}
         layout = self.layout(arrays)
@@ -116,6 +141,16 @@ class Encoder:
             ]
             if slot is not None:
                 self._dests[(slot, layout)] = dests
+        if slot is not None:
+            if len(self._last) >= 4 * self._max:
+                self._last.clear()
+            self._last[slot] = (
+                buf,
+                tuple(e[:3] for e in layout.entries),
+                layout.header,
+                layout.total,
+                dests,
+            )
         buf[: len(layout.header)] = layout.header
         for dest, array in zip(dests, arrays.values()):
             if dest is not None:
@@ -130,6 +165,9 @@ class Decoder:
         self._layouts: dict = {}
         self._views: dict = {}
         self._max = max_layouts
+        # slot -> (buf, descriptor view, descriptor bytes, views, min length): the layout
+        # last read from that slot; the same descriptor again returns the same views.
+        self._last: dict = {}
 
     def decode(self, buf: memoryview, length: int, slot=None) -> dict:
         """ndarray views of the payload in ``buf``.
@@ -137,6 +175,14 @@ class Decoder:
         With ``slot`` (a key naming a buffer that lives as long as this decoder), the views
         are cached: the next payload of the same layout in that slot reuses them.
         """
+        last = self._last.get(slot) if slot is not None else None
+        if (
+            last is not None
+            and last[0] is buf
+            and last[4] <= length <= len(buf)
+            and last[1] == last[2]  # u32 length and descriptor bytes, as cached
+        ):
+            return last[3]
         if length < 6 or length > len(buf):
             raise PayloadError(f"payload length {length} is outside the slot (0..{len(buf)})")
         (header_len,) = _U32.unpack_from(buf, 0)
@@ -146,6 +192,8 @@ class Decoder:
         if slot is not None:
             views = self._views.get((slot, header))
             if views is not None and length >= views[1]:
+                prefix = bytes(buf[: 4 + header_len])
+                self._last[slot] = (buf, buf[: 4 + header_len], prefix, views[0], views[1])
                 return views[0]
         entries = self._layouts.get(header)
         if entries is None:
@@ -164,6 +212,12 @@ class Decoder:
             if len(self._views) >= 4 * self._max:
                 self._views.clear()
             self._views[(slot, header)] = (views, length)
+            if len(self._last) >= 4 * self._max:
+                self._last.clear()
+            # Keyed on the whole prefix (u32 length + descriptor): a different length word
+            # with the same bytes after it is a different payload.
+            prefix = bytes(buf[: 4 + header_len])
+            self._last[slot] = (buf, buf[: 4 + header_len], prefix, views, length)
         return views
 
     @staticmethod

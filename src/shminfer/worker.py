@@ -21,10 +21,38 @@ import numpy as np
 from shminfer import _sys
 from shminfer.backends import BackendError, make_backend
 from shminfer.codec import Decoder, Encoder, PayloadError
-from shminfer.queue import DONE, ERROR, PROCESSING, WORKER_READY, Segment
+from shminfer.queue import (
+    CPU_EXACT_NS,
+    CPU_NOT_MEASURED,
+    DONE,
+    ERROR,
+    H32_DOORBELL,
+    H32_WORKER_SLEEPING,
+    PROCESSING,
+    S32,
+    S32_BATCH_SIZE,
+    S32_REQUEST_LEN,
+    S32_RESPONSE_LEN,
+    S64,
+    S64_DONE_NS,
+    S64_ENQUEUE_NS,
+    S64_RESPONSE_SEQ,
+    S64_SEQ,
+    S64_START_NS,
+    WORKER_READY,
+    Segment,
+)
 
 # A lost wake-up cannot hang the worker: the doorbell futex wait is bounded by this.
 _SAFETY_WAIT_S = 0.05
+# The CPU-time clocks are real syscalls (no vDSO, ~1 us each in a VM). Process CPU is
+# read at the start of every batch and at its end whenever its wall time reached
+# queue.CPU_EXACT_NS (0.1 ms, 10x below the smallest deschedule gate, the post-check's
+# 1 ms): every such batch records its exact process CPU. A shorter batch records
+# CPU_NOT_MEASURED; metrics count its wall time (< 0.1 ms) as its deschedule, an upper
+# bound that can neither hide a deschedule nor push one past a gate. The thread clock
+# (the process/thread CPU ratio only) is read around every THREAD_SAMPLE_EVERY-th batch.
+THREAD_SAMPLE_EVERY = 16
 MAX_ERROR = 1024  # bytes of error text in an ERROR response
 
 
@@ -176,6 +204,9 @@ class Worker:
         self.requests = [segment.request_view(i) for i in range(segment.slot_count)]
         self.responses = [segment.response_view(i) for i in range(segment.slot_count)]
         self.tags = [0] * segment.slot_count
+        self._batches = 0
+        # SCHED_FIFO only while inferring: two sched_setscheduler calls around each batch.
+        self._sched_switch = policy.enabled and policy.mode == "infer"
 
     # ------------------------------------------------------------ waiting
 
@@ -192,15 +223,16 @@ class Worker:
         while clock() < deadline:
             if any_ready():
                 return
-        doorbell = seg.get("doorbell")
-        seg.set("worker_sleeping", 1)
+        head = seg.head32
+        doorbell = head[H32_DOORBELL]
+        head[H32_WORKER_SLEEPING] = 1
         # Announce, fence, re-check: a client that stored READY before our fence is seen
         # by the re-check; one after it sees worker_sleeping=1 and wakes us (and if it
         # bumped the doorbell first, the futex wait returns at once: the value differs).
         _sys.full_fence()
         if not any_ready():
             _sys.futex_wait(seg.doorbell_addr, doorbell, _SAFETY_WAIT_S)
-        seg.set("worker_sleeping", 0)
+        head[H32_WORKER_SLEEPING] = 0
 
     def _claim(self):
         seg = self.seg
@@ -211,20 +243,21 @@ class Worker:
             # enqueue_ns is a peer's word: a far-future one must not keep the worker
             # waiting (and spinning) for --min-batch; never wait past now + max_wait.
             now = time.monotonic_ns()
-            oldest = min(now, *(seg.slot_get(i, "enqueue_ns") for i in ready))
+            oldest = min(now, *(seg.slot64[i * S64 + S64_ENQUEUE_NS] for i in ready))
             until = oldest + self.max_wait_ns
             while len(ready) < self.min_batch and time.monotonic_ns() < until:
                 ready = seg.ready_slots()
+        fields = seg.slot64
         if len(ready) > 1:
             # Oldest first, so a busy queue cannot starve a request.
-            ready = [i for _, i in sorted((seg.slot_get(i, "seq"), i) for i in ready)]
+            ready = [i for _, i in sorted((fields[i * S64 + S64_SEQ], i) for i in ready)]
         claimed = ready[: self.max_batch]
         words = seg.state_words
         tags = self.tags
         for index in claimed:
             words[index] = PROCESSING
             # The request's tag, read once it is ours: every answer carries it back.
-            tags[index] = seg.slot_get(index, "seq")
+            tags[index] = fields[index * S64 + S64_SEQ]
         return claimed
 
     # ------------------------------------------------------------ serving
@@ -248,8 +281,8 @@ class Worker:
     def _fail(self, index, message):
         raw = message.encode("utf-8", "replace")[: min(self.seg.response_bytes, MAX_ERROR)]
         self.responses[index][: len(raw)] = raw
-        self.seg.slot_set(index, "response_len", len(raw))
-        self.seg.slot_set(index, "response_seq", self.tags[index])
+        self.seg.slot32[index * S32 + S32_RESPONSE_LEN] = len(raw)
+        self.seg.slot64[index * S64 + S64_RESPONSE_SEQ] = self.tags[index]
         self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
@@ -257,16 +290,25 @@ class Worker:
         seg = self.seg
         start_ns = time.monotonic_ns()
         batch = []  # (slot, inputs, rows)
+        fields = seg.slot64
+        lengths = seg.slot32
+        decode = self.decoder.decode
         for index in claimed:
-            seg.slot_set(index, "start_ns", start_ns)
+            fields[index * S64 + S64_START_NS] = start_ns
             try:
-                inputs = self.decoder.decode(
-                    self.requests[index], seg.slot_get(index, "request_len"), slot=index
+                inputs = decode(
+                    self.requests[index], lengths[index * S32 + S32_REQUEST_LEN], slot=index
                 )
-                rows = {a.shape[0] if a.ndim else 1 for a in inputs.values()}
-                if len(rows) != 1:
+                rows = None
+                for a in inputs.values():
+                    n = a.shape[0] if a.ndim else 1
+                    if rows is None:
+                        rows = n
+                    elif n != rows:
+                        raise PayloadError("inputs disagree on the batch size (first dimension)")
+                if rows is None:
                     raise PayloadError("inputs disagree on the batch size (first dimension)")
-                batch.append((index, inputs, rows.pop()))
+                batch.append((index, inputs, rows))
             except PayloadError as exc:
                 self._fail(index, f"bad request: {exc}")
             except Exception as exc:  # whatever a peer wrote, it fails that slot only
@@ -296,13 +338,20 @@ class Worker:
                 for entry in entries:  # cannot merge: one model call each
                     self._run_group([entry], start_ns)
                 return
-        total_rows = sum(e[2] for e in entries)
-        self.policy.busy()
+        total_rows = entries[0][2] if len(entries) == 1 else sum(e[2] for e in entries)
+        switch = self._sched_switch
+        if switch:
+            self.policy.busy()
         if self.status is not None:
             self.status[0] = time.monotonic_ns()  # the watchdog's batch clock starts
-        wall0 = time.perf_counter_ns()
+        self._batches += 1
+        sample_thread = not self._batches % THREAD_SAMPLE_EVERY
+        # Both CPU clocks are read in the same order at both ends: their intervals are
+        # the same length, and the process one brackets the wall one.
         cpu0 = time.process_time_ns()
-        thread0 = time.thread_time_ns()
+        if sample_thread:
+            thread0 = time.thread_time_ns()
+        wall0 = time.perf_counter_ns()
         try:
             outputs = self.backend.infer(merged)
             error = None
@@ -315,9 +364,12 @@ class Worker:
         wall = time.perf_counter_ns() - wall0
         if self.status is not None:
             self.status[0] = 0
-        cpu = time.process_time_ns() - cpu0
-        thread = time.thread_time_ns() - thread0
-        self.policy.idle()
+        # Exact for every batch of CPU_EXACT_NS or more (and the thread-sampled ones).
+        measured = wall >= CPU_EXACT_NS or sample_thread
+        cpu = time.process_time_ns() - cpu0 if measured else CPU_NOT_MEASURED
+        thread = time.thread_time_ns() - thread0 if sample_thread else CPU_NOT_MEASURED
+        if switch:
+            self.policy.idle()
         if error is not None:
             for index, _, _ in entries:
                 self._fail(index, f"inference failed: {error}")
@@ -326,8 +378,20 @@ class Worker:
         done_ns = time.monotonic_ns()
         oldest = start_ns
         answered = []
+        fields = seg.slot64
+        lengths = seg.slot32
+        whole = len(entries) == 1  # the outputs are this one request's, unless shaped otherwise
+        if whole:
+            rows = entries[0][2]
+            for value in outputs.values():
+                if type(value) is not np.ndarray or not value.ndim or value.shape[0] != rows:
+                    whole = False
+                    break
         for index, _, rows in entries:
-            part = {name: value[row : row + rows] for name, value in outputs.items()}
+            if whole:
+                part = outputs
+            else:
+                part = {name: value[row : row + rows] for name, value in outputs.items()}
             row += rows
             try:
                 length = self.encoder.encode_into(self.responses[index], part, slot=index)
@@ -338,11 +402,13 @@ class Worker:
                     "with a larger --response-bytes",
                 )
                 continue
-            oldest = min(oldest, seg.slot_get(index, "enqueue_ns"))
-            seg.slot_set(index, "response_len", length)
-            seg.slot_set(index, "response_seq", self.tags[index])
-            seg.slot_set(index, "batch_size", total_rows)
-            seg.slot_set(index, "done_ns", done_ns)
+            base = index * S64
+            enqueued = fields[base + S64_ENQUEUE_NS]
+            oldest = min(oldest, enqueued)
+            lengths[index * S32 + S32_RESPONSE_LEN] = length
+            lengths[index * S32 + S32_BATCH_SIZE] = total_rows
+            fields[base + S64_RESPONSE_SEQ] = self.tags[index]
+            fields[base + S64_DONE_NS] = done_ns
             answered.append(index)
         queue_wait = max(0, start_ns - oldest)
         # The batch's record goes in before its answers are published: a client that has
@@ -353,16 +419,16 @@ class Worker:
         _sys.full_fence()  # DONE stores before the loads of the waiter flags
         for index in answered:
             seg.wake_slot(index, fenced=True)
-        if cpu > self.slow_cpu_ns or wall > self.slow_wall_ns:
+        if wall > self.slow_wall_ns or (measured and cpu > self.slow_cpu_ns):
             log_event(
                 "slow_infer",
                 cpu=self.cpu,
                 slots=len(entries),
                 total_batch=total_rows,
-                engine_cpu_ms=round(cpu / 1e6, 3),
-                engine_thread_cpu_ms=round(thread / 1e6, 3),
+                engine_cpu_ms=round(cpu / 1e6, 3) if measured else None,
+                engine_thread_cpu_ms=None if thread == CPU_NOT_MEASURED else round(thread / 1e6, 3),
                 wall_ms=round(wall / 1e6, 3),
-                deschedule_ms=round(max(0, wall - cpu) / 1e6, 3),
+                deschedule_ms=round(max(0, wall - (cpu if measured else 0)) / 1e6, 3),
                 queue_wait_ms=round(queue_wait / 1e6, 3),
                 sched_fifo=self.policy.enabled,
                 threads=threading_count(),
