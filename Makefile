@@ -19,7 +19,7 @@ help:
 	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
 
-$(STAMP): pyproject.toml requirements/dev.txt
+$(STAMP): pyproject.toml setup.py src/shminfer/_fast.c requirements/dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9) and "rtfleet needs Python >= 3.9")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -50,8 +50,12 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 # One pytest worker per CPU, a test file per worker (module fixtures are built once).
+# shminfer runs its C hot path (shminfer._fast) where `make setup` built it; its tests run
+# a second time on the pure-Python fallback (SHMINFER_PURE=1), so CI covers both paths.
+SHMINFER_TESTS := $(wildcard tests/unit/test_shminfer*.py) tests/unit/test_sdnotify.py
 unit: setup deps
 	$(BIN)/pytest -m "not vm" -n auto --dist loadfile
+	SHMINFER_PURE=1 $(BIN)/pytest -m "not vm" -n auto --dist loadfile $(SHMINFER_TESTS)
 
 # Scenarios that boot lab VMs; `make molecule MOLECULE_SCENARIOS=kubelet` runs another set.
 # CI runs `site`: the whole flow (site.yml) on an EPYC-like and a VMware-like host, the

@@ -2,6 +2,11 @@
 
 ctypes over libc's syscall(2), so the runtime needs no compiler on the node. Numbers are
 per-architecture; x86_64 and aarch64 are supported.
+
+When the optional C extension ``shminfer._fast`` is built (setup.py; stable ABI) and
+SHMINFER_PURE is not ``1``, the fence and futex calls are its functions and ``FAST`` is
+the module (the client and worker use its publish/spin/answer too); otherwise ``FAST``
+is None and everything runs in pure Python. ``IMPLEMENTATION`` says which: "c" or "pure".
 """
 
 from __future__ import annotations
@@ -149,3 +154,31 @@ def process_start_time(pid: int) -> int | None:
 
 def alive(pid: int, start_time: int) -> bool:
     return pid > 0 and process_start_time(pid) == start_time
+
+
+try:
+    from shminfer import _fast as _FAST_MODULE
+except ImportError:  # not built (no compiler, no Python headers, not Linux): pure only
+    _FAST_MODULE = None
+_PURE = (full_fence, futex_wait, futex_wake)
+
+
+def use(implementation: str) -> str:
+    """Switch this process's hot path: "c" (when built) or "pure"; returns the one in use.
+
+    Import time chooses from SHMINFER_PURE; ``shminfer bench ipc`` switches to measure
+    both paths in one run (worker processes follow SHMINFER_PURE in their environment).
+    """
+    global FAST, IMPLEMENTATION, full_fence, futex_wait, futex_wake  # noqa: PLW0603
+    FAST = _FAST_MODULE if implementation == "c" else None
+    IMPLEMENTATION = "pure" if FAST is None else "c"
+    if FAST is None:
+        full_fence, futex_wait, futex_wake = _PURE
+    else:
+        full_fence, futex_wait, futex_wake = FAST.fence, FAST.futex_wait, FAST.futex_wake
+    return IMPLEMENTATION
+
+
+FAST = None
+IMPLEMENTATION = "pure"
+use("pure" if os.environ.get("SHMINFER_PURE", "").strip() in ("1", "true", "yes") else "c")

@@ -3,7 +3,11 @@
 Every variant echoes a 16 KiB float32 request into a 32 KiB response between two pinned
 processes (client on --client-cpu, server on --server-cpu):
 
-* shminfer     -- this runtime (spin, then futex; zero-copy response views)
+* shminfer     -- this runtime (spin, then futex; zero-copy response views), on its C
+                  hot path (shminfer._fast) where it is built
+* shminfer_pure -- the same on the pure-Python fallback (SHMINFER_PURE=1 for the worker,
+                  shminfer._sys.use("pure") in this client); left out where the C path
+                  is not built (then "shminfer" is that fallback)
 * pipe_pickle  -- multiprocessing.Pipe + pickle
 * tcp_pickle   -- TCP over loopback + pickle, length-prefixed
 * sleep_poll   -- the field reports' design: the same SHM slots, 0.5 ms sleep polling
@@ -17,7 +21,8 @@ shminfer, pipe_pickle and iceoryx2: throughput with 4 requests in flight, and fo
 shminfer and pipe_pickle the first request after 1 s idle; with a 1-thread numpy model,
 shminfer's deschedule p99. Last, the issue's targets as PASS/FAIL lines, from this run:
 shminfer p50 <= 0.5x iceoryx2's, >= 20x faster than Pipe+pickle, >= 100k req/s with 4 in
-flight, and the first request after 1 s idle faster than Pipe's.
+flight, the first request after 1 s idle faster than Pipe's, and the pure-Python
+fallback's p50 <= 20 us where the C path's is <= 12 us.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import time
 import numpy as np
 
 WIDTH = 4096  # float32 -> 16 KiB in, 32 KiB out
-VARIANTS = ("shminfer", "pipe_pickle", "tcp_pickle", "sleep_poll", "iceoryx2")
+VARIANTS = ("shminfer", "shminfer_pure", "pipe_pickle", "tcp_pickle", "sleep_poll", "iceoryx2")
 
 
 def _pin(cpu):
@@ -283,6 +288,16 @@ class _ShmVariant:
         self.server.stop()
 
 
+def _pure_variant(server_cpu):
+    """shminfer on its pure-Python path: the worker (spawned with this environment) and
+    this client; main() switches back to the C path afterwards."""
+    from shminfer import _sys  # noqa: PLC0415
+
+    os.environ["SHMINFER_PURE"] = "1"
+    _sys.use("pure")
+    return _ShmVariant(server_cpu, name=f"benchpure{os.getpid()}")
+
+
 def _in_flight(variant, inputs, requests, depth=4):
     """Throughput with ``depth`` requests outstanding."""
     t0 = time.perf_counter()
@@ -359,13 +374,22 @@ def main(args) -> int:
     if "iceoryx2" in names and not iceoryx2_available():
         names.remove("iceoryx2")
         skipped.append("iceoryx2 (not installed: pip install iceoryx2, or rtfleet's bench extra)")
+    from shminfer import _sys  # noqa: PLC0415
+
+    if "shminfer_pure" in names and _sys.use(_sys.IMPLEMENTATION) == "pure":
+        names.remove("shminfer_pure")
+        skipped.append("shminfer_pure (this process runs pure already: shminfer is the fallback)")
     results = {}
     extras = {}
+    load_start = round(os.getloadavg()[0], 2)
+    path = _sys.IMPLEMENTATION
     for name in names:
         # Servers are started unpinned (they pin themselves), then the client pins.
         os.sched_setaffinity(0, everywhere)
         if name == "shminfer":
             variant = _ShmVariant(args.server_cpu)
+        elif name == "shminfer_pure":
+            variant = _pure_variant(args.server_cpu)
         elif name == "sleep_poll":
             variant = _ShmVariant(args.server_cpu, wait_mode="sleep")
         elif name == "pipe_pickle":
@@ -382,7 +406,7 @@ def main(args) -> int:
             for _ in range(min(1000, requests // 10)):
                 variant.call(inputs)
             results[name] = _timed(lambda v=variant: v.call(inputs), requests)
-            if name in ("shminfer", "pipe_pickle"):
+            if name in ("shminfer", "shminfer_pure", "pipe_pickle"):
                 extras[name] = {
                     "rps_4_in_flight": _in_flight(variant, inputs, requests),
                     "after_1s_idle_p50_us": _after_idle(variant, inputs, args.idle_samples),
@@ -392,7 +416,15 @@ def main(args) -> int:
                 results[name]["rps_4_in_flight"] = _in_flight(variant, inputs, requests)
         finally:
             variant.close()
-    report = {"variants": results, "load_avg_1m": round(os.getloadavg()[0], 2)}
+            if name == "shminfer_pure":
+                os.environ.pop("SHMINFER_PURE", None)
+                _sys.use("c")
+    report = {
+        "variants": results,
+        "shminfer_path": path,
+        "load_avg_1m_start": load_start,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     if skipped:
         report["skipped"] = skipped
     if "shminfer" in results:
@@ -439,6 +471,15 @@ def targets(results) -> list:
     if "rps_4_in_flight" in shm:
         rps = shm["rps_4_in_flight"]
         out.append(("shminfer req/s with 4 in flight >= 100000", rps, rps >= 100_000))
+    if "shminfer_pure" in results:
+        c, pure = shm["p50_us"], results["shminfer_pure"]["p50_us"]
+        out.append(
+            (
+                "p50 (µs): C path <= 12 and pure-Python fallback <= 20",
+                f"{c} and {pure}",
+                c <= 12 and pure <= 20,
+            )
+        )
     return out
 
 
@@ -482,6 +523,9 @@ def _print(report):
         )
     for note in report.get("skipped", []):
         console.print(f"skipped: {note}")
-    console.print(f"load average (1 min) at the end: {report['load_avg_1m']}")
+    console.print(
+        f"shminfer ran its {report['shminfer_path']} path; load average (1 min) "
+        f"{report['load_avg_1m_start']} at the start, {report['load_avg_1m']} at the end"
+    )
     for name, value, ok in report.get("targets", []):
         console.print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")

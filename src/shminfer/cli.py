@@ -385,7 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--idle-samples", type=int, default=10)
     bench.add_argument("--client-cpu", type=int, default=0)
     bench.add_argument("--server-cpu", type=int, default=1)
-    bench.add_argument("--variants", default="shminfer,pipe_pickle,tcp_pickle,sleep_poll,iceoryx2")
+    bench.add_argument(
+        "--variants", default="shminfer,shminfer_pure,pipe_pickle,tcp_pickle,sleep_poll,iceoryx2"
+    )
     bench.add_argument("--format", choices=("table", "json"), default="table")
     bench.set_defaults(func=cmd_bench)
     return parser

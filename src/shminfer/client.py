@@ -80,7 +80,14 @@ class _Lane:
         self.responses = {i: segment.response_view(i) for i in slots}
         # slot -> (request view, response view, lease generation << 32): one lookup a request
         self.hot = {
-            i: (self.requests[i], self.responses[i], self.generation[i] << 32) for i in slots
+            i: (
+                self.requests[i],
+                self.responses[i],
+                self.generation[i] << 32,
+                segment.slot_addr(i),
+                segment.state_addr(i),
+            )
+            for i in slots
         }
         self.encoder = Encoder()
         self.decoder = Decoder()
@@ -278,7 +285,7 @@ class Client:
         seg = lane.seg
         words = seg.state_words
         slot = lane.free.pop()
-        request, _response, generation = lane.hot[slot]
+        request, _response, generation, slot_addr, state_addr = lane.hot[slot]
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
@@ -296,6 +303,11 @@ class Client:
         # The request tag: the slot's lease generation and a per-client counter. The worker
         # echoes it with the answer; an answer under another tag is someone else's.
         seq = generation | (next(self._seq) & 0xFFFFFFFF)
+        fast = _sys.FAST
+        if fast is not None:
+            # request_len, seq, enqueue_ns, READY, doorbell: the same stores, in C.
+            fast.publish(slot_addr, state_addr, seg.header_addr, length, seq)
+            return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
         seg.slot32[slot * S32 + S32_REQUEST_LEN] = length
         fields = seg.slot64
         fields[slot * S64 + S64_SEQ] = seq
@@ -315,13 +327,18 @@ class Client:
         state = states[slot]
         if state not in _IN_FLIGHT:
             return state
-        clock = time.perf_counter_ns
-        spin_until = clock() + self.spin_ns
-        while clock() < spin_until:
-            state = states[slot]
+        addr = lane.seg.state_addr(slot)
+        if _sys.FAST is not None:
+            state = _sys.FAST.spin_state(addr, self.spin_ns)
             if state not in _IN_FLIGHT:
                 return state
-        addr = lane.seg.state_addr(slot)
+        else:
+            clock = time.perf_counter_ns
+            spin_until = clock() + self.spin_ns
+            while clock() < spin_until:
+                state = states[slot]
+                if state not in _IN_FLIGHT:
+                    return state
         waiters = lane.seg.slot32
         waiter = slot * S32 + S32_WAITER
         while True:

@@ -218,6 +218,8 @@ class Segment:
         )
         self.doorbell_addr = _sys.address_of(mm, _H["doorbell"][0])
         self._state_addr0 = _sys.address_of(mm, self.states_off)
+        self.header_addr = _sys.address_of(mm, 0)
+        self._slot_addr0 = _sys.address_of(mm, self.table_off)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -362,6 +364,10 @@ class Segment:
     def state_addr(self, index):
         return self._state_addr0 + 4 * index
 
+    def slot_addr(self, index):
+        """Address of slot ``index``'s 128-byte header (for the C path)."""
+        return self._slot_addr0 + SLOT_HEADER * index
+
     def any_ready(self):
         return self.mm.find(_READY_WORD, self.states_off, self._states_end) != -1
 
@@ -404,6 +410,9 @@ class Segment:
 
     def ring_doorbell(self):
         """Tell the worker a slot is READY; a syscall only when it is asleep."""
+        if _sys.FAST is not None:
+            _sys.FAST.ring_doorbell(self.header_addr)
+            return
         head = self.head32
         head[H32_DOORBELL] = (head[H32_DOORBELL] + 1) & 0xFFFFFFFF
         # READY and the doorbell are stored; the fence keeps the load of worker_sleeping

@@ -218,11 +218,15 @@ class Worker:
             while not any_ready():
                 time.sleep(0.0005)
             return
-        clock = time.perf_counter_ns
-        deadline = clock() + self.spin_ns
-        while clock() < deadline:
-            if any_ready():
+        if _sys.FAST is not None:
+            if _sys.FAST.spin_ready(seg._state_addr0, seg.slot_count, self.spin_ns):
                 return
+        else:
+            clock = time.perf_counter_ns
+            deadline = clock() + self.spin_ns
+            while clock() < deadline:
+                if any_ready():
+                    return
         head = seg.head32
         doorbell = head[H32_DOORBELL]
         head[H32_WORKER_SLEEPING] = 1
@@ -283,6 +287,9 @@ class Worker:
         self.responses[index][: len(raw)] = raw
         self.seg.slot32[index * S32 + S32_RESPONSE_LEN] = len(raw)
         self.seg.slot64[index * S64 + S64_RESPONSE_SEQ] = self.tags[index]
+        if _sys.FAST is not None:
+            _sys.FAST.answer(self.seg.state_addr(index), self.seg.slot_addr(index), ERROR)
+            return
         self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
@@ -414,11 +421,16 @@ class Worker:
         # The batch's record goes in before its answers are published: a client that has
         # seen DONE finds its batch in the metrics ring.
         seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
-        for index in answered:
-            seg.state_words[index] = DONE
-        _sys.full_fence()  # DONE stores before the loads of the waiter flags
-        for index in answered:
-            seg.wake_slot(index, fenced=True)
+        if _sys.FAST is not None:
+            answer = _sys.FAST.answer
+            for index in answered:  # DONE, fence, wake a sleeping client: in C
+                answer(seg.state_addr(index), seg.slot_addr(index), DONE)
+        else:
+            for index in answered:
+                seg.state_words[index] = DONE
+            _sys.full_fence()  # DONE stores before the loads of the waiter flags
+            for index in answered:
+                seg.wake_slot(index, fenced=True)
         if wall > self.slow_wall_ns or (measured and cpu > self.slow_cpu_ns):
             log_event(
                 "slow_infer",

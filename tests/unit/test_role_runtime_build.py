@@ -1,0 +1,108 @@
+"""rtfleet_runtime's controller build (tasks/build.yml): the right rtfleet wheel per node.
+
+Two nodes, both played on this machine: one of the controller's CPU architecture, which
+gets the C wheel (shminfer._fast, abi3: one wheel for every Python >= 3.9), one of another
+architecture, which gets the pure-Python wheel. The build runs twice: the bundles must
+come out byte for byte the same (reproducible wheels, an unchanged tree ships nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sysconfig
+import tarfile
+import zipfile
+
+import pytest
+import yaml
+from conftest import run_local_playbook
+
+ARCH = platform.machine()
+OTHER = "aarch64" if ARCH == "x86_64" else "x86_64"
+NODES = {"native": f"cp311-{ARCH}", "foreign": f"cp39-{OTHER}"}
+
+
+def _build(tmp_path, wheelhouse, models):
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(
+        yaml.safe_dump({"nodes": {"hosts": {name: {"pytag": tag} for name, tag in NODES.items()}}})
+    )
+    play = [
+        {
+            "name": "Build what the runtime role ships",
+            "hosts": "nodes",
+            "gather_facts": False,
+            "tasks": [
+                {"ansible.builtin.set_fact": {"__rtfleet_runtime_pytag": "{{ pytag }}"}},
+                {
+                    "ansible.builtin.include_role": {
+                        "name": "rtfleet_runtime",
+                        "tasks_from": "build",
+                    },
+                    "vars": {
+                        "rtfleet_runtime_wheelhouse": str(wheelhouse),
+                        "rtfleet_runtime_download": False,
+                        "rtfleet_runtime_model_src": str(models),
+                    },
+                },
+            ],
+        }
+    ]
+    playbook = tmp_path / "build.yml"
+    playbook.write_text(yaml.safe_dump(play))
+    run = run_local_playbook(playbook, "-i", str(inventory), ANSIBLE_STDOUT_CALLBACK="json")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    return json.loads(run.stdout)
+
+
+def _project_wheel(bundle):
+    with tarfile.open(bundle) as tar:
+        names = [n for n in tar.getnames() if n.startswith("wheels/rtfleet-")]
+        assert len(names) == 1, names
+        data = tar.extractfile(names[0]).read()
+    return names[0].split("/", 1)[1], data
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None
+    or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
+    reason="no C compiler or no Python headers (python3-dev): the pure path only",
+)
+def test_each_node_gets_the_wheel_of_its_architecture_reproducibly(tmp_path):
+    wheelhouse = tmp_path / "wheelhouse"
+    models = tmp_path / "models"
+    models.mkdir()
+    for suffix in (".xml", ".bin", ".npz"):
+        (models / f"mlp{suffix}").write_bytes(b"model " + suffix.encode())
+    for tag in NODES.values():  # the dependency wheels, as an air-gapped controller has them
+        (wheelhouse / tag).mkdir(parents=True)
+        (wheelhouse / tag / "numpy-2.0-cp39-none-any.whl").write_bytes(b"not a real wheel")
+    _build(tmp_path, wheelhouse, models)
+    first = {tag: (wheelhouse / f"bundle-{tag}.tar").read_bytes() for tag in NODES.values()}
+
+    name, data = _project_wheel(wheelhouse / f"bundle-{NODES['native']}.tar")
+    assert name.endswith(f"-cp39-abi3-linux_{ARCH}.whl"), name
+    (tmp_path / "c.whl").write_bytes(data)
+    with zipfile.ZipFile(tmp_path / "c.whl") as wheel:
+        assert "shminfer/_fast.abi3.so" in wheel.namelist()
+    name, data = _project_wheel(wheelhouse / f"bundle-{NODES['foreign']}.tar")
+    assert name.endswith("-py3-none-any.whl"), name
+    (tmp_path / "pure.whl").write_bytes(data)
+    with zipfile.ZipFile(tmp_path / "pure.whl") as wheel:
+        assert not [n for n in wheel.namelist() if n.endswith(".so")]
+
+    out = _build(tmp_path, wheelhouse, models)
+    for tag, raw in first.items():
+        assert (wheelhouse / f"bundle-{tag}.tar").read_bytes() == raw, f"{tag}: not reproducible"
+    bundle_tasks = [
+        task
+        for play in out["plays"]
+        for task in play["tasks"]
+        if "Bundle the wheels" in task["task"]["name"]
+    ]
+    assert bundle_tasks and not any(
+        result.get("changed") for task in bundle_tasks for result in task["hosts"].values()
+    ), "an unchanged tree must ship nothing"
