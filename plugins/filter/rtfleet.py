@@ -15,7 +15,7 @@ __metaclass__ = type
 from ansible.errors import AnsibleFilterError
 
 try:
-    from rtfleet.boot import BootConfigError, compose_kernel_args
+    from rtfleet.boot import BootConfigError, compose_kernel_args, hugepage_runtime_settings
     from rtfleet.planner import PlanError, plan_partition
     from rtfleet.postcheck import PostcheckError, gate_host, parse_cyclictest
     from rtfleet.topology import format_cpulist, parse_cpulist
@@ -65,6 +65,19 @@ def rtfleet_kernel_args(plan, topology, options=None):
         raise AnsibleFilterError("rtfleet kernel command line: %s" % exc) from None
 
 
+def rtfleet_hugepages(topology, size, per_node):
+    """{{ rtfleet_topology | rtfleet_hugepages(size, per_node) }} -> what the tuner allocates.
+
+    {"size_kb": 2048, "per_node": {"0": 64, ...}}, or {} when the size is reserved on the
+    kernel command line (1G) or no pages are wanted.
+    """
+    _require()
+    try:
+        return hugepage_runtime_settings(topology, size, per_node)
+    except BootConfigError as exc:
+        raise AnsibleFilterError("rtfleet hugepages: %s" % exc) from None
+
+
 def rtfleet_cyclictest(doc):
     """{{ cyclictest_json | rtfleet_cyclictest }} -> {"summary": {...}, "cpus": [...]}.
 
@@ -93,6 +106,7 @@ class FilterModule(object):
             "rtfleet_cpulist": rtfleet_cpulist,
             "rtfleet_cpus": rtfleet_cpus,
             "rtfleet_kernel_args": rtfleet_kernel_args,
+            "rtfleet_hugepages": rtfleet_hugepages,
             "rtfleet_cyclictest": rtfleet_cyclictest,
             "rtfleet_postcheck_gate": rtfleet_postcheck_gate,
         }

@@ -27,6 +27,13 @@ _INTEL = ("GenuineIntel",)
 HUGEPAGE_KB = {"2M": 2048, "1G": 1048576}
 # Leave at least this share of each node's memory outside the hugepage pool.
 HUGEPAGES_MAX_SHARE = 0.75
+# Sizes reserved on the kernel command line. Gigantic (1G) pages need contiguous memory that
+# only the boot allocator is sure to find. 2M pages are allocated per node through sysfs by
+# rtfleet-host-tune at every boot, before kubelet starts, as OpenShift's Node Tuning
+# Operator does for per-node pages: the command line's per-node form made the PREEMPT_RT
+# kernel's hugetlb_init take 11 s to more than 12 min on the lab guests (docs/runs.md),
+# a count changes without a reboot, and a node that gets fewer pages is reported by name.
+HUGEPAGES_AT_BOOT = ("1G",)
 
 
 class BootConfigError(ValueError):
@@ -46,11 +53,15 @@ def _has_memory(node):
     return node.get("has_memory", True) and node.get("memory_kb") != 0
 
 
-def _hugepage_args(topology, size, per_node):
+def hugepage_counts(topology, size, per_node):
+    """{node id: pages} the host reserves, validated against the topology ({} for none).
+
+    ``per_node`` is a count for every node with CPUs and memory, or a dict node -> count.
+    """
     if isinstance(per_node, str) and per_node.strip().isdigit():
         per_node = int(per_node)
     if not per_node:
-        return []
+        return {}
     if size not in HUGEPAGE_KB:
         raise BootConfigError(
             "hugepages size %r is not supported: use one of %s"
@@ -102,8 +113,26 @@ def _hugepage_args(topology, size, per_node):
                 % (count, size, node, want_kb // 1024, HUGEPAGES_MAX_SHARE * 100, memory_kb // 1024)
             )
     if not any(counts.values()):
+        return {}
+    return dict(sorted(counts.items()))
+
+
+def hugepage_runtime_settings(topology, size, per_node):
+    """What rtfleet-host-tune allocates at every boot: {"size_kb", "per_node"} or {}.
+
+    Empty when the size is reserved on the command line (HUGEPAGES_AT_BOOT) or nothing is.
+    """
+    counts = hugepage_counts(topology, size, per_node)
+    if not counts or size in HUGEPAGES_AT_BOOT:
+        return {}
+    return {"size_kb": HUGEPAGE_KB[size], "per_node": {str(n): c for n, c in counts.items()}}
+
+
+def _hugepage_args(topology, size, per_node):
+    counts = hugepage_counts(topology, size, per_node)
+    if not counts or size not in HUGEPAGES_AT_BOOT:
         return []
-    spec = ",".join("%d:%d" % (node, count) for node, count in sorted(counts.items()))
+    spec = ",".join("%d:%d" % (node, count) for node, count in counts.items())
     return ["default_hugepagesz=%s" % size, "hugepagesz=%s" % size, "hugepages=%s" % spec]
 
 

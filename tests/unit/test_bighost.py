@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rtfleet import kubelet
-from rtfleet.boot import compose_kernel_args
+from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings
 from rtfleet.planner import check_invariants, plan_partition
 from rtfleet.topology import format_cpulist, parse_cpulist, parse_cpumask, read_topology
 
@@ -103,7 +103,8 @@ def test_kernel_arguments_carry_the_plans_cpulists(machines, name):
         _check_cpulist(text)
         want = plan["housekeeping"] if key in ("irqaffinity", "kthread_cpus") else plan["isolated"]
         assert parse_cpulist(text) == want, key
-    spec = dict(item.split(":") for item in values["hugepages"].split(","))
+    assert "hugepages" not in values  # 2M pages: rtfleet-host-tune allocates them per node
+    spec = hugepage_runtime_settings(topology, "2M", 64)["per_node"]
     want_nodes = {n["id"] for n in topology["numa_nodes"] if n["cpus"] and n["has_memory"]}
     assert {int(n) for n in spec} == want_nodes  # no pages on memoryless or CXL nodes
     assert len(" ".join(args)) < 4096  # grubenv / COMMAND_LINE_SIZE headroom
@@ -164,8 +165,8 @@ def test_memoryless_socket_runs_but_binds_memory_to_the_other_node(machines):
     assert on_node0 and {g["systemd"]["NUMAMask"] for g in on_node0} == {"1"}
     assert [n["memory_node"] for n in plan["numa_nodes"]] == [1, 1]
     assert set(plan["numa_nodes"][0]["housekeeping"])  # node 0's IRQs still need a home
-    args = compose_kernel_args(plan, topology, {"hugepages_per_node": {"0": 0, "1": 128}})
-    assert "hugepages=0:0,1:128" in args
+    pages = hugepage_runtime_settings(topology, "2M", {"0": 0, "1": 128})
+    assert pages == {"size_kb": 2048, "per_node": {"0": 0, "1": 128}}
     with pytest.raises(ValueError, match="node 0 has no memory"):
         compose_kernel_args(plan, topology, {"hugepages_per_node": {"0": 16}})
     config = kubelet.build(plan, topology, {"kubelet_version": "1.34"})["config"]

@@ -303,6 +303,7 @@ def test_host_tune_checks_then_applies_then_has_nothing_left(tmp_path):
     assert json.loads((tmp_path / "state.json").read_text()) == applied
     again = {
         "changed": [],
+        "short": [],
         "skipped": ["sysctl kernel.no_such: not in this kernel"],
         "unmovable": [],
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sysfs_gen import build_tree
 
+from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings
 from rtfleet.planner import plan_partition
 from rtfleet.topology import parse_cpulist, read_topology
 
@@ -139,3 +140,57 @@ def test_tuner_refuses_a_bad_cpulist_in_one_line(tmp_path):
     run = _run_tuner(tmp_path, {"housekeeping_cpus": "0-x", "irq_mode": "static"})
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("shape", "per_node", "want"),
+    [
+        # 8 nodes of CPUs and memory + 2 CPU-less CXL memory nodes: pages on the 8 only
+        ("epyc-9354-2s-nps4-cxl", 64, dict.fromkeys(range(8), 64)),
+        # socket 0 without DIMMs (node 0 offline): its pages live on node 1
+        ("xeon-2s-memoryless-node0", {"1": 128}, {1: 128}),
+    ],
+)
+def test_tuner_allocates_2m_hugepages_per_node_at_runtime(tmp_path, shape, per_node, want):
+    root = build_tree(shape, tmp_path / "host")
+    topology = read_topology(str(root))
+    plan = plan_partition(topology, {"housekeeping_cores_per_node": 1})
+    # What the role writes into tune.json (roles/rtfleet_host/vars/main.yml), and the
+    # command line it composes for the same settings: 2M pages are not on it.
+    hugepages = hugepage_runtime_settings(topology, "2M", per_node)
+    args = compose_kernel_args(plan, topology, {"hugepages_per_node": per_node})
+    assert not [a for a in args if a.startswith(("hugepages", "hugepagesz", "default_hugepagesz"))]
+    nodes = root / "sys/devices/system/node"
+    pools = {
+        int(d.name[4:]): d / "hugepages/hugepages-2048kB/nr_hugepages"
+        for d in nodes.glob("node[0-9]*")
+    }
+    for pool in pools.values():  # a freshly booted host: no pages yet
+        pool.write_text("0\n")
+    _fake_proc(root, max(topology["present_cpus"]) + 1, irqs=[0])
+    config = {
+        "housekeeping_cpus": plan["cpulists"]["housekeeping"],
+        "irq_default_affinity_mask": plan["irq_default_affinity_mask"],
+        "irq_mode": "static",
+        "hugepages": hugepages,
+    }
+    check = _run_tuner(root, config, "--check")
+    assert check.returncode == 0, check.stderr
+    assert all(p.read_text() == "0\n" for p in pools.values()), "--check wrote a pool"
+    run = _run_tuner(root, config)
+    assert run.returncode == 0, run.stderr
+    got = {node: int(pool.read_text()) for node, pool in pools.items()}
+    assert got == {node: want.get(node, 0) for node in pools}
+    assert json.loads(run.stdout)["short"] == []
+    again = _run_tuner(root, config, "--check")
+    assert [c for c in json.loads(again.stdout)["changed"] if "hugepages" in c] == []
+
+
+def test_1g_hugepages_stay_on_the_command_line(tmp_path):
+    root = build_tree("epyc-9634-2s", tmp_path / "host")
+    topology = read_topology(str(root))
+    plan = plan_partition(topology, {"housekeeping_cores_per_node": 1})
+    options = {"hugepages_size": "1G", "hugepages_per_node": 4}
+    args = compose_kernel_args(plan, topology, options)
+    assert "hugepagesz=1G" in args and "hugepages=0:4,1:4" in args
+    assert hugepage_runtime_settings(topology, "1G", 4) == {}
