@@ -50,15 +50,17 @@ class EchoBackend(Backend):
             x = inputs["x"]
         except KeyError:
             raise BackendError(f"input 'x' missing (got {sorted(inputs)})") from None
-        # Reuse the output buffer, as an inference engine reuses its output tensors.
-        shape = (*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,)
-        out = getattr(self, "_out", None)
-        if out is None or out.shape != shape or out.dtype != x.dtype:
-            out = self._out = np.empty(shape, x.dtype)
-        width = x.shape[-1] if x.ndim else 1
-        out[..., :width] = x
-        out[..., width:] = x
-        return {"y": out}
+        # Reuse the output buffer (and its two halves), as an inference engine reuses its
+        # output tensors: the same input shape and dtype again costs the two copies only.
+        cached = getattr(self, "_cached", None)
+        if cached is None or cached[0] != x.shape or cached[1] is not x.dtype:
+            shape = (*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,)
+            out = np.empty(shape, x.dtype)
+            width = x.shape[-1] if x.ndim else 1
+            cached = self._cached = (x.shape, x.dtype, out, out[..., :width], out[..., width:])
+        cached[3][...] = x
+        cached[4][...] = x
+        return {"y": cached[2]}
 
 
 def _milliseconds(backend, model):
