@@ -84,4 +84,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_plan.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info src/shminfer/*.so .pytest_cache .ruff_cache .hypothesis
