@@ -53,7 +53,9 @@ lint: setup
 # shminfer runs its C hot path (shminfer._fast) where `make setup` built it; its tests run
 # a second time on the pure-Python fallback (SHMINFER_PURE=1), so CI covers both paths.
 SHMINFER_TESTS := $(wildcard tests/unit/test_shminfer*.py) tests/unit/test_sdnotify.py
+# In CI (CI=true) a missing C path is an error, not a silent second pure run.
 unit: setup deps
+	@$(BIN)/python -c 'import os, sys, shminfer._sys as s; print("shminfer path under test:", s.IMPLEMENTATION); sys.exit(os.environ.get("CI") == "true" and s.IMPLEMENTATION != "c" and "shminfer._fast was not built: install a C compiler and the Python headers (gcc, python3-dev), then make clean setup")'
 	$(BIN)/pytest -m "not vm" -n auto --dist loadfile
 	SHMINFER_PURE=1 $(BIN)/pytest -m "not vm" -n auto --dist loadfile $(SHMINFER_TESTS)
 

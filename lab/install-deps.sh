@@ -4,7 +4,9 @@
 set -euo pipefail
 
 # rt-tests: the post-check runner test (tests/unit/test_postcheck_runner.py) runs cyclictest here.
-packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux openssh-client rt-tests)
+# gcc, python3-dev: shminfer's optional C hot path (src/shminfer/_fast.c), built by make setup.
+packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux openssh-client rt-tests
+    gcc python3-dev)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
