@@ -14,9 +14,11 @@ Slot states: FREE -> WRITING -> READY -> PROCESSING -> DONE | ERROR -> FREE.
 Every transition has exactly one writer, so no compare-and-swap is needed: the client that
 leases a slot moves it FREE->WRITING->READY and DONE/ERROR->FREE; the worker moves it
 READY->PROCESSING->DONE/ERROR; the supervisor only touches slots whose worker is dead or
-whose client is gone. Slots are leased to a client connection by the supervisor once, at
-attach time, not per request. The store order this relies on (payload before state) is
-what x86-64 guarantees; the futex calls on the slow path are full barriers.
+whose client is gone, and never one the worker holds: the worker's record of its claims
+is private memory shared with the supervisor, not a word here a peer could rewrite.
+Slots are leased to a client connection by the supervisor once, at attach time, not per
+request. The store order this relies on (payload before state, claim before PROCESSING)
+is what x86-64 guarantees; the futex calls on the slow path are full barriers.
 
 The segment is a memfd sealed with F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL, fully allocated
 with posix_fallocate: no client can truncate it under the supervisor or the worker (the

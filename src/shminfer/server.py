@@ -11,6 +11,7 @@ flight. No lock is shared with clients: nothing a peer holds can stall this loop
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import grp
 import json
 import multiprocessing
@@ -146,6 +147,10 @@ class Server:
         self.segments = {}
         self.processes = {}
         self.status = {}  # cpu -> private [busy_since_ns] shared with that worker
+        # cpu -> private u32 per slot, non-zero while that worker holds the slot (claimed,
+        # not yet answered). Only the supervisor and the worker map it: a slot a worker
+        # holds is never leased or freed, whatever its (peer-writable) state word says.
+        self.claims = {}
         self.restarts = dict.fromkeys(self.cpus, 0)
         self.load_failure = None
         self._kill_reason = {}
@@ -185,6 +190,7 @@ class Server:
                 self._holder[cpu] = [None] * self.slots
                 self._generation[cpu] = [0] * self.slots
                 self.status[cpu] = self._ctx.RawArray("q", 2)
+                self.claims[cpu] = self._ctx.RawArray("I", self.slots)
             self._listen()
             write_registry(
                 self.name,
@@ -240,6 +246,7 @@ class Server:
         segment.set("worker_state", WORKER_STARTING)
         segment.set("worker_generation", segment.get("worker_generation") + 1)
         self.status[cpu][0] = 0
+        self._clear_claims(cpu)
         process = self._ctx.Process(
             target=worker_main,
             args=(segment_name(self.name, cpu), cpu, self.backend, self.model),
@@ -248,6 +255,7 @@ class Server:
                 "geometry": segment.geometry,
                 "segment_fd": _InheritFd(segment.fd),
                 "status": self.status[cpu],
+                "claims": self.claims[cpu],
             },
             name=f"shminfer-{self.name}-cpu{cpu}",
         )
@@ -321,9 +329,28 @@ class Server:
             or f"worker on CPU {cpu} died (exit code {process.exitcode}) while processing this "
             "request; it is being restarted",
         )
+        # The worker is gone: it writes into no slot any more, whatever it had claimed.
+        self._clear_claims(cpu)
         log_event("worker_died", cpu=cpu, exitcode=process.exitcode, failed_requests=failed)
         self.processes[cpu] = None
         return process.exitcode
+
+    def _clear_claims(self, cpu):
+        claims = self.claims.get(cpu)
+        if claims is not None:
+            ctypes.memset(claims, 0, ctypes.sizeof(claims))
+
+    def _leasable(self, cpu, index):
+        """Slot ``index`` holds nothing anybody may still write an answer into: no request
+        of a departed holder in flight, and not held by the worker. The state word is a
+        peer's to scribble; the claim is the worker's own record (private memory), so a
+        peer that rewrites the state word of a slot the worker holds cannot get it freed
+        and leased to another client, into whose request the worker would then answer
+        the old one. The state is read before the claim: the worker stores its claim
+        before PROCESSING, so a PROCESSING read here finds the claim."""
+        if int(self.segments[cpu].states[index]) in (READY, PROCESSING):
+            return False
+        return not self.claims[cpu][index]
 
     # ------------------------------------------------------------ leases
 
@@ -445,7 +472,7 @@ class Server:
         for index in range(self.slots):
             if len(leased) == count:
                 break
-            if holders[index] is not None or int(segment.states[index]) in (READY, PROCESSING):
+            if holders[index] is not None or not self._leasable(cpu, index):
                 continue  # held, or a departed holder's request is still being answered
             segment.states[index] = FREE
             holders[index] = conn
@@ -465,12 +492,10 @@ class Server:
             for index in slots:
                 if self._holder[cpu][index] is conn:
                     self._holder[cpu][index] = None
-                    # A slot with a request in flight keeps its owner_pid (informational)
-                    # until the answer is in and reclaim_dead_clients frees it.
-                    if segment is not None and int(segment.states[index]) not in (
-                        READY,
-                        PROCESSING,
-                    ):
+                    # A slot with a request in flight, or held by the worker, keeps its
+                    # owner_pid (informational) until the answer is in and
+                    # reclaim_dead_clients frees it.
+                    if segment is not None and self._leasable(cpu, index):
                         segment.states[index] = FREE
                         segment.slot_set(index, "owner_pid", 0)
         conn.leases = {}
@@ -491,7 +516,7 @@ class Server:
                 holders = self._holder[cpu]
                 states = segment.states
                 for index in range(self.slots):
-                    if holders[index] is None and int(states[index]) not in (READY, PROCESSING):
+                    if holders[index] is None and self._leasable(cpu, index):
                         if int(states[index]) != FREE:
                             states[index] = FREE
                         if segment.owners[index]:

@@ -120,10 +120,13 @@ def worker_main(
     geometry=None,
     segment_fd=None,
     status=None,
+    claims=None,
 ) -> None:
     """``segment_fd`` (inherited at spawn) and ``geometry`` come from the supervisor: the
-    header is writable by every client. ``status`` is private shared memory (not the
-    segment): [busy_since_ns] for the supervisor's batch deadline watchdog."""
+    header is writable by every client. ``status`` and ``claims`` are private shared
+    memory (not the segment, no client maps them): [busy_since_ns] for the supervisor's
+    batch deadline watchdog, and one u32 per slot, non-zero while this worker holds the
+    slot (from its claim until it has answered), which the supervisor never leases."""
     _die_with_parent()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
@@ -160,6 +163,7 @@ def worker_main(
         wait_mode=wait_mode,
         cpu=cpu,
         status=status,
+        claims=claims,
     ).run()
 
 
@@ -186,9 +190,16 @@ class Worker:
         wait_mode,
         cpu,
         status=None,
+        claims=None,
     ):
         self.seg = segment
         self.status = status
+        # Slots this worker holds, in memory only it and the supervisor map: a peer that
+        # rewrites a claimed slot's state word cannot get it leased to someone else while
+        # this worker may still answer into it (see Server._leasable).
+        if claims is None:
+            claims = bytearray(4 * segment.slot_count)
+        self.claims = memoryview(claims).cast("B").cast("I")
         self.backend = backend
         self.policy = policy
         self.min_batch = max(1, min_batch)
@@ -258,7 +269,9 @@ class Worker:
         claimed = ready[: self.max_batch]
         words = seg.state_words
         tags = self.tags
+        claims = self.claims
         for index in claimed:
+            claims[index] = 1  # before PROCESSING: whoever sees PROCESSING sees the claim
             words[index] = PROCESSING
             # The request's tag, read once it is ours: every answer carries it back.
             tags[index] = fields[index * S64 + S64_SEQ]
@@ -281,6 +294,11 @@ class Worker:
                 for index in claimed:
                     if self.seg.state_words[index] == PROCESSING:
                         self._fail(index, f"request failed in the worker: {exc!r}"[:500])
+            # Every claimed slot is answered (or failed): nothing more is written into
+            # them, so they may be leased again. After the answers' stores and fences.
+            claims = self.claims
+            for index in claimed:
+                claims[index] = 0
 
     def _fail(self, index, message):
         raw = message.encode("utf-8", "replace")[: min(self.seg.response_bytes, MAX_ERROR)]

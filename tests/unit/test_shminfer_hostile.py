@@ -132,6 +132,46 @@ def test_every_response_carries_the_request_tag_the_client_checks():
         assert np.all(client.infer(_x(6.0), timeout=20)["y"] == 6.0)
 
 
+_SCRIBBLE_OWN_AND_LEAVE = """
+import sys, time, numpy as np
+from shminfer.client import Client
+from shminfer.queue import PROCESSING
+name, value, word = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+c = Client(name, slots_per_worker=1, timeout=5)
+p = c.start({"x": np.full((1, 64), value, np.float32)})
+seg = c.lanes[0].seg
+deadline = time.monotonic() + 20
+while seg.state_words[p.slot] != PROCESSING and time.monotonic() < deadline:
+    time.sleep(0.001)
+# The worker holds the slot: rewrite its state word as if the request had ended, leave.
+seg.state_words[p.slot] = word
+c.close()
+print("left", p.slot, flush=True)
+"""
+
+
+@pytest.mark.parametrize("word", [0, DONE, ERROR, 0x4D], ids=["FREE", "DONE", "ERROR", "garbage"])
+def test_a_peer_that_rewrites_its_claimed_slot_and_leaves_cannot_hand_it_on(word):
+    """A peer submits, waits for the worker's claim, rewrites its own slot's state word to
+    something that is not in flight and leaves. The supervisor must not lease that slot
+    again while the worker may still answer into it: the next, well-behaved client gets
+    its own answer (the soak's refusal under the previous lease's tag)."""
+    with serving(backend="sleep", model="3000", slots=1) as server:
+        with Client(server.name) as warm:
+            warm.wait_ready(60)
+        cpu = server.cpus[0]
+        left = _python(_SCRIBBLE_OWN_AND_LEAVE, server.name, 7.0, word)
+        assert "left" in left.stdout, left.stderr
+        _wait_for(lambda: server._holder[cpu][0] is None, 10, "the peer's lease to end")
+        # The worker is still computing the peer's request (3 s): an answer to come.
+        assert server.status[cpu][0], "the worker answered before the peer's lease ended"
+        with _lease(server.name, slots_per_worker=1, timeout=20) as client:
+            out = client.infer(_x(8.0), timeout=20)["y"]
+            assert np.all(out == 8.0)
+            # The slot is reusable at once: nothing is left to land in it.
+            assert np.all(client.infer(_x(9.0), timeout=20)["y"] == 9.0)
+
+
 # ---------------------------------------------------------------- 2: validation
 
 
