@@ -9,6 +9,7 @@ rt-tests (`make deps` installs it).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,12 +45,18 @@ def _render(tmp_path, load, duration=2, cpus="0", priority=95):
     return script
 
 
+def _marker():
+    """A load command no other process on the machine runs (pgrep -f sees every process:
+    a fixed one matched a concurrent run of this test from another checkout)."""
+    return "sleep 3%03d.%06d" % (os.getpid() % 1000, random.randrange(10**6))
+
+
 def _load_alive(marker):
     return subprocess.run(["pgrep", "-f", marker], capture_output=True, check=False).returncode == 0
 
 
 def test_runner_measures_the_cpus_and_stops_its_load(tmp_path):
-    marker = "sleep 3117"
+    marker = _marker()
     out = tmp_path / "ct.json"
     run = subprocess.run(
         [str(_render(tmp_path, marker)), str(out)],
@@ -66,7 +73,7 @@ def test_runner_measures_the_cpus_and_stops_its_load(tmp_path):
 
 
 def test_runner_stops_its_load_when_cyclictest_fails(tmp_path):
-    marker = "sleep 3118"
+    marker = _marker()
     # Priority 100 is out of range: cyclictest refuses to start.
     script = _render(tmp_path, marker, priority=100)
     run = subprocess.run(
