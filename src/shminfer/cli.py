@@ -12,10 +12,9 @@ import numpy as np
 from shminfer.backends import BACKENDS, BackendError, make_model
 from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
-from shminfer.metrics import summarize
+from shminfer.metrics import cpu_measured, summarize
 from shminfer.queue import (
     CPU_EXACT_NS,
-    CPU_NOT_MEASURED,
     MAX_SLOT_BYTES,
     MAX_SLOTS,
     RING_FIELDS,
@@ -168,7 +167,7 @@ def cmd_smoke(args) -> int:
             (
                 (
                     (records[:, _CPU_COL] > args.slow_cpu_ms * 1e6)
-                    & (records[:, _CPU_COL] < float(CPU_NOT_MEASURED >> 1))
+                    & cpu_measured(records[:, _CPU_COL])
                 )
                 | (records[:, _WALL_COL] > args.slow_wall_ms * 1e6)
             ).sum()

@@ -25,18 +25,23 @@ _NOT_MEASURED_F = float(CPU_NOT_MEASURED >> 1)
 QUANTILES = (0.5, 0.99, 0.999)
 
 
+def cpu_measured(cpu_ns: np.ndarray) -> np.ndarray:
+    """Where a ring column of CPU times was read, not CPU_NOT_MEASURED (a short batch)."""
+    return cpu_ns < _NOT_MEASURED_F
+
+
 def summarize(records: np.ndarray) -> dict:
     """Percentiles and ratios of ring records (rows of RING_FIELDS)."""
     if records.size == 0:
         return {"batches": 0}
     col = {name: records[:, i] for i, name in enumerate(RING_FIELDS)}
     wall_ms = col["wall_ns"] / 1e6
-    measured = col["process_cpu_ns"] < _NOT_MEASURED_F
+    measured = cpu_measured(col["process_cpu_ns"])
     cpu_ms = col["process_cpu_ns"] / 1e6
     # Unmeasured (short) batches: deschedule <= wall, and wall < CPU_EXACT_NS.
     deschedule_ms = np.where(measured, np.maximum(0.0, wall_ms - cpu_ms), wall_ms)
     cpu_ms = cpu_ms[measured]
-    both = measured & (col["thread_cpu_ns"] < _NOT_MEASURED_F)
+    both = measured & cpu_measured(col["thread_cpu_ns"])
     cpu_sampled_ms = col["process_cpu_ns"][both] / 1e6
     thread_ms = col["thread_cpu_ns"][both] / 1e6
     wait_ms = col["queue_wait_ns"] / 1e6

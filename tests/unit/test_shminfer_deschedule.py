@@ -19,7 +19,7 @@ from shminfer_serving import serving
 
 from shminfer import cli
 from shminfer.client import Client
-from shminfer.metrics import summarize
+from shminfer.metrics import cpu_measured, summarize
 from shminfer.queue import CPU_EXACT_NS, CPU_NOT_MEASURED, RING_FIELDS
 
 WALL = RING_FIELDS.index("wall_ns")
@@ -31,6 +31,17 @@ X = {"x": np.ones((1, 32), np.float64)}
 
 def _records(client, since):
     return client.lanes[0].seg.ring_read(since)[0]
+
+
+def _batches(requests, *backend):
+    """The ring records of ``requests`` one-request batches, after a warm-up request."""
+    with serving(*backend) as server, Client(server.name, timeout=10) as client:
+        client.wait_ready(60)
+        client.infer(X)
+        head = client.lanes[0].seg.get("ring_head")
+        for _ in range(requests):
+            client.infer(X)
+        return _records(client, head)
 
 
 def test_a_worker_stopped_mid_batch_shows_its_deschedule_exactly():
@@ -53,7 +64,7 @@ def test_a_worker_stopped_mid_batch_shows_its_deschedule_exactly():
     assert records.shape[0] == 1
     wall_ms = records[0, WALL] / 1e6
     cpu_ms = records[0, CPU] / 1e6
-    assert records[0, CPU] < float(CPU_NOT_MEASURED >> 1), "a 450 ms batch must be measured"
+    assert cpu_measured(records[0, CPU]), "a 450 ms batch must be measured"
     assert 140 <= cpu_ms <= wall_ms
     deschedule = summarize(records)["deschedule_ms_p999"]
     assert deschedule >= 280, (wall_ms, cpu_ms)  # the 300 ms stop, not hidden
@@ -76,19 +87,13 @@ def test_a_stopped_short_batch_is_measured_too():
         records = _records(client, head)
     assert records.shape[0] == 1
     assert records[0, WALL] >= 200e6
-    assert records[0, CPU] < float(CPU_NOT_MEASURED >> 1)
+    assert cpu_measured(records[0, CPU])
     assert summarize(records)["deschedule_ms_max"] >= 190
 
 
 def test_short_batches_report_no_deschedule_past_the_gate():
-    with serving("echo") as server, Client(server.name, timeout=10) as client:
-        client.wait_ready(60)
-        client.infer(X)
-        head = client.lanes[0].seg.get("ring_head")
-        for _ in range(3000):
-            client.infer(X)
-        records = _records(client, head)
-    measured = records[:, CPU] < float(CPU_NOT_MEASURED >> 1)
+    records = _batches(3000, "echo")
+    measured = cpu_measured(records[:, CPU])
     assert records.shape[0] == 3000
     assert (~measured).sum() > 1500, "echo batches are µs: most must take the short path"
     # Every batch that reached the threshold has its exact CPU time ...
@@ -108,14 +113,8 @@ def test_short_batches_report_no_deschedule_past_the_gate():
 
 def test_batches_over_the_threshold_carry_exact_cpu():
     # 0.2 ms of CPU a batch: every batch is past CPU_EXACT_NS, so every one is measured.
-    with serving("burn", "0.2") as server, Client(server.name, timeout=10) as client:
-        client.wait_ready(60)
-        client.infer(X)
-        head = client.lanes[0].seg.get("ring_head")
-        for _ in range(200):
-            client.infer(X)
-        records = _records(client, head)
-    assert (records[:, CPU] < float(CPU_NOT_MEASURED >> 1)).all()
+    records = _batches(200, "burn", "0.2")
+    assert cpu_measured(records[:, CPU]).all()
     assert (records[:, CPU] >= 0.19e6).all()
     summary = summarize(records)
     assert summary["cpu_ms_p50"] >= 0.19
