@@ -194,3 +194,32 @@ def test_1g_hugepages_stay_on_the_command_line(tmp_path):
     args = compose_kernel_args(plan, topology, options)
     assert "hugepagesz=1G" in args and "hugepages=0:4,1:4" in args
     assert hugepage_runtime_settings(topology, "1G", 4) == {}
+
+
+@pytest.mark.parametrize(
+    "hugepages",
+    [
+        {"size_kb": 2048},  # no per_node
+        {"size_kb": "2M", "per_node": {"0": 64}},
+        {"size_kb": 2048, "per_node": [64, 64]},
+        {"size_kb": 2048, "per_node": {"0": -1}},
+    ],
+)
+def test_tuner_refuses_malformed_hugepages_in_one_line_and_writes_nothing(tmp_path, hugepages):
+    root = build_tree("epyc-9354-2s-nps4-cxl", tmp_path / "host")
+    plan = plan_partition(read_topology(str(root)), {"housekeeping_cores_per_node": 1})
+    pool = root / "sys/devices/system/node/node0/hugepages/hugepages-2048kB/nr_hugepages"
+    before = pool.read_text()
+    _fake_proc(root, 128, irqs=[0])
+    config = {
+        "housekeeping_cpus": plan["cpulists"]["housekeeping"],
+        "irq_default_affinity_mask": plan["irq_default_affinity_mask"],
+        "irq_mode": "static",
+        "sysctls": {"kernel.numa_balancing": 0},
+        "hugepages": hugepages,
+    }
+    run = _run_tuner(root, config)
+    assert run.returncode == 2
+    assert len(run.stderr.strip().splitlines()) == 1 and "hugepages" in run.stderr
+    assert pool.read_text() == before
+    assert (root / "proc/sys/kernel/numa_balancing").read_text() == "1\n"  # nothing applied
