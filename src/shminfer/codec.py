@@ -195,12 +195,23 @@ class Decoder:
                 prefix = bytes(buf[: 4 + header_len])
                 self._last[slot] = (buf, buf[: 4 + header_len], prefix, views[0], views[1])
                 return views[0]
-        entries = self._layouts.get(header)
-        if entries is None:
+        known = self._layouts.get(header)
+        if known is not None and length >= known[1]:
+            entries = known[0]
+        else:
+            # Parsed afresh also when the payload is shorter than the one this descriptor
+            # was seen in: the same bytes describe arrays past a shorter payload's end.
             entries = self._parse(header, length)
             if len(self._layouts) >= self._max:
                 self._layouts.clear()
-            self._layouts[header] = entries
+            end = max(
+                [4 + len(header)]
+                + [
+                    offset + math.prod(shape) * dtype.itemsize
+                    for _, dtype, shape, offset in entries
+                ]
+            )
+            self._layouts[header] = (entries, end)
         try:
             views = {
                 name: np.ndarray(shape, dtype=dtype, buffer=buf, offset=offset)

@@ -207,6 +207,17 @@ def test_the_decoder_refuses_crafted_descriptors(payload):
         Decoder().decode(buf, 8192)
 
 
+def test_a_descriptor_seen_before_is_refused_in_a_shorter_payload():
+    buf = memoryview(bytearray(8192))
+    length = Encoder().encode_into(buf, {"x": np.zeros((1, 64), np.float32)})
+    for slot in (None, 0):
+        decoder = Decoder()
+        assert decoder.decode(buf, length, slot=slot)["x"].shape == (1, 64)
+        with pytest.raises(PayloadError, match="inside a 319-byte payload"):
+            decoder.decode(buf, length - 1, slot=slot)
+        assert decoder.decode(buf, length, slot=slot)["x"].shape == (1, 64)
+
+
 def _scribble_request(client, payload, length=None):
     """Write ``payload`` into one of this client's slots and submit it by hand."""
     lane = client.lanes[0]
