@@ -85,9 +85,10 @@ class Encoder:
         self._layouts: dict = {}
         self._dests: dict = {}
         self._max = max_layouts
-        # slot -> (buf, ((name, dtype, shape), ...), header, total, dests): the layout last
-        # written to that slot; the same layout again is checked field by field (no key
-        # tuple, no dict of layouts) and costs a header write and one copy per array.
+        # slot -> (buf, ((name, dtype, shape), ...), header, total, dests, out): the layout
+        # last written to that slot; the same layout again is checked field by field (no
+        # key tuple, no dict of layouts) and costs a header write and one copy per array.
+        # ``out`` is {name: dest} (None if an array is empty): see out_views.
         self._last: dict = {}
 
     def layout(self, arrays: dict) -> Layout:
@@ -125,6 +126,23 @@ class Encoder:
                 return last[3]
         return self._encode_slow(buf, arrays, slot)
 
+    def out_views(self, buf: memoryview, slot):
+        """{name: array} where the last payload written to ``slot`` (into ``buf``) keeps its
+        arrays, or None: a writer of the same layout can put its arrays there itself and
+        then call :meth:`encode_in_place` instead of copying them in."""
+        last = self._last.get(slot)
+        return last[5] if last is not None and last[0] is buf else None
+
+    def encode_in_place(self, buf: memoryview, out: dict, slot) -> int:
+        """``out`` (this slot's :meth:`out_views`) holds the arrays already: write the
+        header; returns the payload length."""
+        last = self._last.get(slot)
+        if last is None or last[0] is not buf or last[5] is not out:
+            raise PayloadError("the arrays are not this slot's payload views")
+        header = last[2]
+        buf[: len(header)] = header
+        return last[3]
+
     def _encode_slow(self, buf, arrays, slot):
         if not all(type(a) is np.ndarray for a in arrays.values()):
             arrays = {name: np.asarray(a) for name, a in arrays.items()}
@@ -144,12 +162,16 @@ class Encoder:
         if slot is not None:
             if len(self._last) >= 4 * self._max:
                 self._last.clear()
+            out = None
+            if all(dest is not None for dest in dests):
+                out = {entry[0]: dest for entry, dest in zip(layout.entries, dests)}
             self._last[slot] = (
                 buf,
                 tuple(e[:3] for e in layout.entries),
                 layout.header,
                 layout.total,
                 dests,
+                out,
             )
         buf[: len(layout.header)] = layout.header
         for dest, array in zip(dests, arrays.values()):

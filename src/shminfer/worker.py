@@ -215,6 +215,10 @@ class Worker:
         self.requests = [segment.request_view(i) for i in range(segment.slot_count)]
         self.responses = [segment.response_view(i) for i in range(segment.slot_count)]
         self.tags = [0] * segment.slot_count
+        # Per slot: (decoded inputs, their batch size) and (the response slot's out views,
+        # the batch size they fit), reused while the decoder hands back the same views.
+        self._rows = [None] * segment.slot_count
+        self._outs = [None] * segment.slot_count
         self._batches = 0
         # SCHED_FIFO only while inferring: two sched_setscheduler calls around each batch.
         self._sched_switch = policy.enabled and policy.mode == "infer"
@@ -286,7 +290,10 @@ class Worker:
                 self._wait_for_work()
                 continue
             try:
-                self._serve(claimed)
+                if len(claimed) == 1:
+                    self._serve_one(claimed[0])
+                else:
+                    self._serve(claimed)
             except (
                 Exception
             ) as exc:  # a bug or a peer's scribble must cost one batch, not the worker
@@ -311,6 +318,29 @@ class Worker:
         self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
+    def _serve_one(self, index):
+        """One claimed request (the common case): _serve without the batch bookkeeping."""
+        seg = self.seg
+        start_ns = time.monotonic_ns()
+        seg.slot64[index * S64 + S64_START_NS] = start_ns
+        try:
+            inputs = self.decoder.decode(
+                self.requests[index], seg.slot32[index * S32 + S32_REQUEST_LEN], slot=index
+            )
+            known = self._rows[index]
+            if known is not None and known[0] is inputs:
+                rows = known[1]  # the same views: the same shapes
+            else:
+                rows = _batch_rows(inputs)
+                self._rows[index] = (inputs, rows)
+        except PayloadError as exc:
+            self._fail(index, f"bad request: {exc}")
+            return
+        except Exception as exc:  # whatever a peer wrote, it fails that slot only
+            self._fail(index, f"bad request: {exc!r}")
+            return
+        self._run_group(((index, inputs, rows),), start_ns)
+
     def _serve(self, claimed):
         seg = self.seg
         start_ns = time.monotonic_ns()
@@ -324,16 +354,7 @@ class Worker:
                 inputs = decode(
                     self.requests[index], lengths[index * S32 + S32_REQUEST_LEN], slot=index
                 )
-                rows = None
-                for a in inputs.values():
-                    n = a.shape[0] if a.ndim else 1
-                    if rows is None:
-                        rows = n
-                    elif n != rows:
-                        raise PayloadError("inputs disagree on the batch size (first dimension)")
-                if rows is None:
-                    raise PayloadError("inputs disagree on the batch size (first dimension)")
-                batch.append((index, inputs, rows))
+                batch.append((index, inputs, _batch_rows(inputs)))
             except PayloadError as exc:
                 self._fail(index, f"bad request: {exc}")
             except Exception as exc:  # whatever a peer wrote, it fails that slot only
@@ -349,10 +370,23 @@ class Worker:
         for entries in groups.values():
             self._run_group(entries, start_ns)
 
+    def _out_views(self, index, rows):
+        """The response slot's arrays for the backend to write into (Backend.infer_into),
+        when they are laid out for a batch of ``rows``; else None."""
+        out = self.encoder.out_views(self.responses[index], index)
+        if out is None:
+            return None
+        known = self._outs[index]
+        if known is not None and known[0] is out:
+            return out if known[1] == rows else None
+        fits = all(a.ndim and a.shape[0] == rows for a in out.values())
+        self._outs[index] = (out, rows if fits else -1)
+        return out if fits else None
+
     def _run_group(self, entries, start_ns):
-        seg = self.seg
         if len(entries) == 1:
-            merged = entries[0][1]
+            index, merged, total_rows = entries[0]
+            out = self._out_views(index, total_rows)
         else:
             try:
                 merged = {
@@ -363,12 +397,14 @@ class Worker:
                 for entry in entries:  # cannot merge: one model call each
                     self._run_group([entry], start_ns)
                 return
-        total_rows = entries[0][2] if len(entries) == 1 else sum(e[2] for e in entries)
+            total_rows = sum(e[2] for e in entries)
+            out = None
         switch = self._sched_switch
         if switch:
             self.policy.busy()
-        if self.status is not None:
-            self.status[0] = time.monotonic_ns()  # the watchdog's batch clock starts
+        status = self.status
+        if status is not None:
+            status[0] = time.monotonic_ns()  # the watchdog's batch clock starts
         self._batches += 1
         sample_thread = not self._batches % THREAD_SAMPLE_EVERY
         # Both CPU clocks are read in the same order at both ends: their intervals are
@@ -378,30 +414,95 @@ class Worker:
             thread0 = time.thread_time_ns()
         wall0 = time.perf_counter_ns()
         try:
-            outputs = self.backend.infer(merged)
+            outputs = self.backend.infer_into(merged, out)
             error = None
-            if not isinstance(outputs, dict):
+            if type(outputs) is not dict and not isinstance(outputs, dict):
                 raise BackendError(f"the backend returned {type(outputs).__name__}, not a dict")
         except BackendError as exc:
             outputs, error = None, str(exc)
         except Exception as exc:  # an engine's error for one batch
             outputs, error = None, repr(exc)
         wall = time.perf_counter_ns() - wall0
-        if self.status is not None:
-            self.status[0] = 0
+        if status is not None:
+            status[0] = 0
         # Exact for every batch of CPU_EXACT_NS or more (and the thread-sampled ones).
         measured = wall >= CPU_EXACT_NS or sample_thread
         cpu = time.process_time_ns() - cpu0 if measured else CPU_NOT_MEASURED
         thread = time.thread_time_ns() - thread0 if sample_thread else CPU_NOT_MEASURED
         if switch:
             self.policy.idle()
+        self._after_infer(
+            entries,
+            start_ns,
+            out=out,
+            outputs=outputs,
+            error=error,
+            clocks=(wall, cpu, thread, measured),
+        )
+
+    def _after_infer(self, entries, start_ns, *, out, outputs, error, clocks):
+        """Answer a batch the backend ran: ERROR each slot, or its outputs (in place when
+        the backend wrote into ``out``), its ring record, DONE."""
+        seg = self.seg
+        wall, cpu, thread, measured = clocks
+        total_rows = entries[0][2] if len(entries) == 1 else sum(e[2] for e in entries)
         if error is not None:
             for index, _, _ in entries:
                 self._fail(index, f"inference failed: {error}")
             return
-        row = 0
         done_ns = time.monotonic_ns()
-        oldest = start_ns
+        if out is not None and outputs is out:
+            # The backend wrote into the response slot: the header is all that is left.
+            index = entries[0][0]
+            answered = self._answer_in_place(index, out, total_rows, done_ns)
+            oldest = seg.slot64[index * S64 + S64_ENQUEUE_NS] if answered else start_ns
+        else:
+            answered, oldest = self._encode_answers(entries, outputs, total_rows, done_ns)
+        queue_wait = max(0, start_ns - min(oldest, start_ns))
+        # The batch's record goes in before its answers are published: a client that has
+        # seen DONE finds its batch in the metrics ring.
+        seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
+        if _sys.FAST is not None:
+            answer = _sys.FAST.answer
+            for index in answered:  # DONE, fence, wake a sleeping client: in C
+                answer(seg.state_addr(index), seg.slot_addr(index), DONE)
+        else:
+            for index in answered:
+                seg.state_words[index] = DONE
+            _sys.full_fence()  # DONE stores before the loads of the waiter flags
+            for index in answered:
+                seg.wake_slot(index, fenced=True)
+        if wall > self.slow_wall_ns or (measured and cpu > self.slow_cpu_ns):
+            self._log_slow(
+                len(entries),
+                total_rows,
+                measured=measured,
+                cpu=cpu,
+                thread=thread,
+                wall=wall,
+                queue_wait=queue_wait,
+            )
+
+    def _answer_in_place(self, index, out, total_rows, done_ns):
+        seg = self.seg
+        try:
+            length = self.encoder.encode_in_place(self.responses[index], out, index)
+        except PayloadError as exc:
+            self._fail(index, f"response does not fit: {exc}")
+            return ()
+        lengths = seg.slot32
+        fields = seg.slot64
+        lengths[index * S32 + S32_RESPONSE_LEN] = length
+        lengths[index * S32 + S32_BATCH_SIZE] = total_rows
+        fields[index * S64 + S64_RESPONSE_SEQ] = self.tags[index]
+        fields[index * S64 + S64_DONE_NS] = done_ns
+        return (index,)
+
+    def _encode_answers(self, entries, outputs, total_rows, done_ns):
+        """Copy each request's part of ``outputs`` into its slot: (answered, oldest enqueue)."""
+        seg = self.seg
+        row = 0
+        oldest = None
         answered = []
         fields = seg.slot64
         lengths = seg.slot32
@@ -429,37 +530,39 @@ class Worker:
                 continue
             base = index * S64
             enqueued = fields[base + S64_ENQUEUE_NS]
-            oldest = min(oldest, enqueued)
+            oldest = enqueued if oldest is None else min(oldest, enqueued)
             lengths[index * S32 + S32_RESPONSE_LEN] = length
             lengths[index * S32 + S32_BATCH_SIZE] = total_rows
             fields[base + S64_RESPONSE_SEQ] = self.tags[index]
             fields[base + S64_DONE_NS] = done_ns
             answered.append(index)
-        queue_wait = max(0, start_ns - oldest)
-        # The batch's record goes in before its answers are published: a client that has
-        # seen DONE finds its batch in the metrics ring.
-        seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
-        if _sys.FAST is not None:
-            answer = _sys.FAST.answer
-            for index in answered:  # DONE, fence, wake a sleeping client: in C
-                answer(seg.state_addr(index), seg.slot_addr(index), DONE)
-        else:
-            for index in answered:
-                seg.state_words[index] = DONE
-            _sys.full_fence()  # DONE stores before the loads of the waiter flags
-            for index in answered:
-                seg.wake_slot(index, fenced=True)
-        if wall > self.slow_wall_ns or (measured and cpu > self.slow_cpu_ns):
-            log_event(
-                "slow_infer",
-                cpu=self.cpu,
-                slots=len(entries),
-                total_batch=total_rows,
-                engine_cpu_ms=round(cpu / 1e6, 3) if measured else None,
-                engine_thread_cpu_ms=None if thread == CPU_NOT_MEASURED else round(thread / 1e6, 3),
-                wall_ms=round(wall / 1e6, 3),
-                deschedule_ms=round(max(0, wall - (cpu if measured else 0)) / 1e6, 3),
-                queue_wait_ms=round(queue_wait / 1e6, 3),
-                sched_fifo=self.policy.enabled,
-                threads=threading_count(),
-            )
+        return answered, (1 << 64) - 1 if oldest is None else oldest
+
+    def _log_slow(self, slots, total_rows, *, measured, cpu, thread, wall, queue_wait):
+        log_event(
+            "slow_infer",
+            cpu=self.cpu,
+            slots=slots,
+            total_batch=total_rows,
+            engine_cpu_ms=round(cpu / 1e6, 3) if measured else None,
+            engine_thread_cpu_ms=None if thread == CPU_NOT_MEASURED else round(thread / 1e6, 3),
+            wall_ms=round(wall / 1e6, 3),
+            deschedule_ms=round(max(0, wall - (cpu if measured else 0)) / 1e6, 3),
+            queue_wait_ms=round(queue_wait / 1e6, 3),
+            sched_fifo=self.policy.enabled,
+            threads=threading_count(),
+        )
+
+
+def _batch_rows(inputs):
+    """The batch size (first dimension) all of a request's inputs share."""
+    rows = None
+    for a in inputs.values():
+        n = a.shape[0] if a.ndim else 1
+        if rows is None:
+            rows = n
+        elif n != rows:
+            raise PayloadError("inputs disagree on the batch size (first dimension)")
+    if rows is None:
+        raise PayloadError("inputs disagree on the batch size (first dimension)")
+    return rows

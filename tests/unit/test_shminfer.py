@@ -121,6 +121,54 @@ def test_openvino_runs_one_inference_thread(tmp_path):
         backend.infer({"nope": np.zeros((1, 8), np.float32)})
 
 
+def test_backends_write_into_the_response_slot_what_infer_returns(tmp_path):
+    # Backend.infer_into: given the slot's arrays of the right layout, the backend fills
+    # them and hands them back; anything else, it returns what infer does.
+    make_model(str(tmp_path / "mlp"), inputs=16, hidden=32, outputs=4)
+    mlp = make_backend("numpy")
+    mlp.load(str(tmp_path / "mlp.npz"))
+    echo = make_backend("echo")
+    echo.load(None)
+    obs = {"obs": np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)}
+    for backend, inputs in ((mlp, obs), (echo, _x(2.5, rows=3, width=5))):
+        want = backend.infer(inputs)
+        buf = memoryview(bytearray(4096))
+        encoder = Encoder()
+        assert encoder.out_views(buf, 0) is None
+        encoder.encode_into(buf, {k: np.zeros_like(v) for k, v in want.items()}, slot=0)
+        out = encoder.out_views(buf, 0)
+        assert backend.infer_into(inputs, out) is out
+        length = encoder.encode_in_place(buf, out, 0)
+        got = Decoder().decode(buf, length)
+        assert list(got) == list(want)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value)  # bit for bit, not close
+        # Another batch size: not the slot's layout, so fresh arrays, not the slot's.
+        smaller = {k: v[:1] for k, v in inputs.items()}
+        other = backend.infer_into(smaller, out)
+        assert other is not out
+        name = next(iter(want))
+        np.testing.assert_array_equal(other[name], backend.infer(smaller)[name])
+    with pytest.raises(PayloadError, match="not this slot's"):
+        Encoder().encode_in_place(memoryview(bytearray(64)), {}, 0)
+
+
+def test_answers_written_in_place_follow_the_request_and_rewrite_a_scribbled_header():
+    with serving(slots=1) as server, Client(server.name, slots_per_worker=1) as client:
+        client.wait_ready(60)
+        lane = client.lanes[0]
+        (slot,) = lane.leased
+        for i, (rows, width) in enumerate(
+            ((1, 4096), (1, 4096), (2, 2048), (1, 8), (1, 8), (1, 4096))
+        ):
+            if i == 4:
+                # The client's own response slot, scribbled between two answers.
+                lane.responses[slot][:256] = b"\xee" * 256
+            x = np.random.default_rng(i).standard_normal((rows, width)).astype(np.float32)
+            y = client.infer({"x": x})["y"]
+            np.testing.assert_array_equal(y, np.concatenate([x, x], axis=-1))
+
+
 def test_bad_requests_get_an_error_and_the_worker_keeps_serving():
     with serving() as server, Client(server.name) as client:
         client.wait_ready(60)
