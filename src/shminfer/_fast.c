@@ -1,14 +1,18 @@
 /* shminfer._fast: the optional C hot path (stable ABI, Python >= 3.9: one abi3 wheel).
  *
  * Same memory layout and semantics as the pure-Python path (queue.py, client.py,
- * worker.py): this module only replaces the per-request foreign calls and the stores,
- * fences and spins around them. Addresses are plain integers into the segment mapping,
- * computed once by the caller (_sys.address_of); the caller keeps the mapping alive.
- * Nothing here reads a length or an index from shared memory: what a peer writes is
- * validated by the Python code as before.
+ * worker.py): the per-request foreign calls and the stores, fences and spins around
+ * them, and the worker's serve step for a request of a layout its slot had before (Loop,
+ * below). Addresses are plain integers into the segment mapping, computed once by the
+ * caller (_sys.address_of); the caller keeps the mapping alive (Loop holds an export).
+ * Only Loop reads what a peer can write beyond state words: each such word once, into a
+ * local, checked as the Python worker checks it (see the comment above Loop); every
+ * payload descriptor is still parsed and validated by the Python decoder.
  *
- * Offsets must match queue.py: header doorbell 48, worker_sleeping 52; slot header
- * seq 8, request_len 20, enqueue_ns 40; states READY 2, PROCESSING 3.
+ * Offsets must match queue.py: header doorbell 48, worker_sleeping 52, ring_head 72;
+ * slot header waiter 4, seq 8, request_len 20, response_len 32, batch_size 36,
+ * enqueue_ns 40, start_ns 48, done_ns 56, response_seq 72; states READY 2, PROCESSING
+ * 3, DONE 4; ring records 6 x u64.
  * SHMINFER_PURE=1 (read by _sys.py) keeps this module unused.
  */
 #define Py_LIMITED_API 0x03090000
@@ -23,6 +27,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -265,6 +270,401 @@ static PyObject *fast_answer(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the worker's loop
+ *
+ * Loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns):
+ * the worker's serve step for the common case, one READY request whose layout this slot
+ * has had before (Worker._serve_one, _run_group, _answer_in_place, queue.ring_append and
+ * the answer, in C). Everything else is handed back to the Python worker.
+ *
+ * Addresses: ``base`` is the segment mapping's address and ``map_len`` its length; every
+ * region the geometry names is checked to lie inside it, here, once, and every address
+ * used later is base + a region offset + index * its size with index < slot_count.
+ * ``keep`` holds what keeps the memory alive (an export of the mmap, so it cannot be
+ * closed under us, and the claims/status arrays).
+ *
+ * What a peer can write and this code reads: each slot's state word (compared with READY),
+ * seq (the tag, a plain value), request_len (checked against the cached minimum and the
+ * slot size), the request's descriptor bytes (compared byte for byte with the prefix the
+ * Python decoder validated; the views handed to the backend are the decoder's, inside the
+ * slot whatever the bytes say later), enqueue_ns (a plain value, clamped as in Python),
+ * ring_head (taken modulo ring_records) and the waiter flag (decides a wake only). Each
+ * is read once into a local. */
+
+#define SLOT_HEADER 128u
+#define S_RESPONSE_LEN 32
+#define S_BATCH_SIZE 36
+#define S_START_NS 48
+#define S_DONE_NS 56
+#define S_RESPONSE_SEQ 72
+#define H_RING_HEAD 72
+#define RING_RECORD 48u
+#define ST_DONE 4u
+#define CPU_EXACT_NS 100000ull
+#define CPU_NOT_MEASURED UINT64_MAX
+#define THREAD_SAMPLE_EVERY 16u
+
+struct slot_cache {
+    PyObject *prefix; /* bytes: u32 descriptor length + descriptor, as the decoder saw */
+    const char *prefix_data;
+    Py_ssize_t prefix_len;
+    uint64_t min_len;
+    PyObject *inputs; /* the decoder's views of this slot (a dict) */
+    uint32_t rows;
+    PyObject *out;    /* the response slot's arrays (a dict) or NULL */
+    PyObject *header; /* bytes: the response payload's header for ``out`` */
+    const char *header_data;
+    Py_ssize_t header_len;
+    uint64_t total;
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keep;
+    uintptr_t base;
+    uint64_t map_len;
+    uint32_t slot_count;
+    uint64_t states_off, table_off, requests_off, request_bytes, responses_off, response_bytes;
+    uint64_t ring_off, ring_records;
+    uint32_t *claims;
+    int64_t *status;
+    double slow_wall_ns, slow_cpu_ns;
+    uint64_t batches;
+    struct slot_cache *cache;
+} Loop;
+
+static PyObject *loop_type;
+
+static inline uint64_t clock_ns(clockid_t clock)
+{
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* off + count * size <= limit, without overflow. */
+static int region_fits(uint64_t off, uint64_t count, uint64_t size, uint64_t limit)
+{
+    if (off > limit || (size && count > (limit - off) / size))
+        return 0;
+    return 1;
+}
+
+static void cache_clear(struct slot_cache *c)
+{
+    Py_CLEAR(c->prefix);
+    Py_CLEAR(c->inputs);
+    Py_CLEAR(c->out);
+    Py_CLEAR(c->header);
+    c->prefix_data = c->header_data = NULL;
+    c->prefix_len = c->header_len = 0;
+    c->min_len = c->total = 0;
+    c->rows = 0;
+}
+
+static void loop_dealloc(PyObject *obj)
+{
+    Loop *self = (Loop *)obj;
+    PyTypeObject *type = Py_TYPE(obj);
+    uint32_t i;
+    if (self->cache) {
+        for (i = 0; i < self->slot_count; i++)
+            cache_clear(&self->cache[i]);
+        PyMem_Free(self->cache);
+    }
+    Py_XDECREF(self->keep);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(obj);
+    Py_DECREF(type);
+}
+
+static PyObject *fast_loop(PyObject *module, PyObject *args)
+{
+    PyObject *keep, *base_obj, *claims_obj, *status_obj;
+    unsigned long long map_len, slot_count, states_off, table_off, requests_off, request_bytes;
+    unsigned long long responses_off, response_bytes, ring_off, ring_records;
+    double slow_wall_ns, slow_cpu_ns;
+    uintptr_t base, claims, status = 0;
+    Loop *self;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)OOdd", &PyTuple_Type, &keep, &base_obj,
+                          &map_len, &slot_count, &request_bytes, &response_bytes, &ring_records,
+                          &states_off, &table_off, &requests_off, &responses_off, &ring_off,
+                          &claims_obj, &status_obj, &slow_wall_ns, &slow_cpu_ns))
+        return NULL;
+    if (get_addr(base_obj, &base) < 0 || get_addr(claims_obj, &claims) < 0)
+        return NULL;
+    if (status_obj != Py_None && get_addr(status_obj, &status) < 0)
+        return NULL;
+    if (slot_count < 1 || slot_count > 65536 || ring_records < 1 || (base & 7) || (status & 7) ||
+        (states_off & 3) || (table_off & 7) || (ring_off & 7) ||
+        /* header page, states, slot table, requests, responses, ring: in this order, none
+         * overlapping the next, the last inside the mapping */
+        states_off < 4096 || !region_fits(states_off, slot_count, 4, table_off) ||
+        !region_fits(table_off, slot_count, SLOT_HEADER, requests_off) ||
+        !region_fits(requests_off, slot_count, request_bytes, responses_off) ||
+        !region_fits(responses_off, slot_count, response_bytes, ring_off) ||
+        !region_fits(ring_off, ring_records, RING_RECORD, map_len)) {
+        PyErr_SetString(PyExc_ValueError, "shminfer._fast.loop: geometry outside the mapping");
+        return NULL;
+    }
+    self = (Loop *)PyType_GenericAlloc((PyTypeObject *)loop_type, 0);
+    if (!self)
+        return NULL;
+    self->cache = PyMem_Calloc((size_t)slot_count, sizeof(struct slot_cache));
+    if (!self->cache) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(keep);
+    self->keep = keep;
+    self->base = base;
+    self->map_len = map_len;
+    self->slot_count = (uint32_t)slot_count;
+    self->states_off = states_off;
+    self->table_off = table_off;
+    self->requests_off = requests_off;
+    self->request_bytes = request_bytes;
+    self->responses_off = responses_off;
+    self->response_bytes = response_bytes;
+    self->ring_off = ring_off;
+    self->ring_records = ring_records;
+    self->claims = (uint32_t *)claims;
+    self->status = (int64_t *)status;
+    self->slow_wall_ns = slow_wall_ns;
+    self->slow_cpu_ns = slow_cpu_ns;
+    return (PyObject *)self;
+}
+
+static int get_index(Loop *self, PyObject *obj, uint32_t *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v >= self->slot_count) {
+        PyErr_SetString(PyExc_IndexError, "shminfer._fast.Loop: slot index out of range");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* learn(index, prefix, min_len, inputs, rows, out, header, total): what the Python worker
+ * validated for this slot: the decoder's prefix and views, and (out not None) the
+ * response arrays the backend may fill and their payload header. */
+static PyObject *loop_learn(PyObject *obj, PyObject *args)
+{
+    Loop *self = (Loop *)obj;
+    PyObject *index_obj, *prefix, *inputs, *out, *header;
+    unsigned long long min_len, total;
+    unsigned long rows;
+    uint32_t index;
+    char *pdata, *hdata;
+    Py_ssize_t plen, hlen;
+    struct slot_cache *c;
+    if (!PyArg_ParseTuple(args, "OO!KO!kOO!K", &index_obj, &PyBytes_Type, &prefix, &min_len,
+                          &PyDict_Type, &inputs, &rows, &out, &PyBytes_Type, &header, &total) ||
+        get_index(self, index_obj, &index) < 0)
+        return NULL;
+    if (PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0 ||
+        PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
+        return NULL;
+    if (out != Py_None && !PyDict_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "out must be a dict or None");
+        return NULL;
+    }
+    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->request_bytes ||
+        rows > UINT32_MAX || (uint64_t)hlen > total || total > self->response_bytes ||
+        total > UINT32_MAX || (out != Py_None && hlen < 6)) {
+        PyErr_SetString(PyExc_ValueError, "shminfer._fast.Loop.learn: sizes outside the slot");
+        return NULL;
+    }
+    c = &self->cache[index];
+    cache_clear(c);
+    Py_INCREF(prefix);
+    Py_INCREF(inputs);
+    c->prefix = prefix;
+    c->prefix_data = pdata;
+    c->prefix_len = plen;
+    c->min_len = min_len;
+    c->inputs = inputs;
+    c->rows = (uint32_t)rows;
+    if (out != Py_None) {
+        Py_INCREF(out);
+        Py_INCREF(header);
+        c->out = out;
+        c->header = header;
+        c->header_data = hdata;
+        c->header_len = hlen;
+        c->total = total;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *loop_forget(PyObject *obj, PyObject *arg)
+{
+    Loop *self = (Loop *)obj;
+    uint32_t index;
+    if (get_index(self, arg, &index) < 0)
+        return NULL;
+    cache_clear(&self->cache[index]);
+    Py_RETURN_NONE;
+}
+
+/* serve(infer_into) -> None (nothing READY), False (more than one READY: the Python
+ * worker claims and batches them), an int (that slot was served and answered here), or a
+ * tuple for the Python worker to finish a slot claimed here:
+ *   (0, index, tag, start_ns)                 its request is not of the cached layout;
+ *   (1, index, tag, start_ns, rows, outputs or None, exception or None, wall, cpu,
+ *    thread, measured)                        the backend raised or answered elsewhere;
+ *   (2, index, rows, measured, cpu, thread, wall, queue_wait)   answered, but slow. */
+static PyObject *loop_serve(PyObject *obj, PyObject *infer_into)
+{
+    Loop *self = (Loop *)obj;
+    const volatile uint32_t *states = (const volatile uint32_t *)(self->base + self->states_off);
+    uint32_t i, index = 0, found = 0;
+    uintptr_t slot, request, response;
+    uint64_t tag, start_ns, length, cpu0, thread0 = 0, wall0, wall, cpu, thread, done_ns;
+    uint64_t enqueued, queue_wait, head, *record;
+    int sample, measured;
+    struct slot_cache *c;
+    PyObject *result, *inputs, *out, *header;
+    const char *header_data;
+    Py_ssize_t header_len;
+    uint64_t total;
+    uint32_t rows;
+
+    for (i = 0; i < self->slot_count; i++)
+        if (states[i] == ST_READY) {
+            index = i;
+            if (++found > 1)
+                Py_RETURN_FALSE;
+        }
+    if (!found)
+        Py_RETURN_NONE;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
+    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
+    response = self->base + self->responses_off + (uintptr_t)index * self->response_bytes;
+    /* The claim, as Worker._claim: recorded before PROCESSING; then the tag, read once. */
+    __atomic_store_n(&self->claims[index], 1u, __ATOMIC_RELAXED);
+    __atomic_store_n((uint32_t *)(self->base + self->states_off) + index, ST_PROCESSING,
+                     __ATOMIC_RELEASE);
+    tag = *(volatile uint64_t *)(slot + S_SEQ);
+    start_ns = monotonic_ns();
+    *(volatile uint64_t *)(slot + S_START_NS) = start_ns;
+
+    c = &self->cache[index];
+    length = *(volatile uint32_t *)(slot + S_REQUEST_LEN);
+    if (!c->prefix || length < c->min_len || length > self->request_bytes ||
+        memcmp((const void *)request, c->prefix_data, (size_t)c->prefix_len) != 0)
+        return Py_BuildValue("(iIKK)", 0, index, (unsigned long long)tag,
+                             (unsigned long long)start_ns);
+
+    /* Own references for the call: the backend runs arbitrary Python, which could even
+     * make this slot learn anew; what is answered below is what was passed. */
+    inputs = c->inputs;
+    out = c->out;
+    header = c->header;
+    header_data = c->header_data;
+    header_len = c->header_len;
+    total = c->total;
+    rows = c->rows;
+    Py_INCREF(inputs);
+    Py_XINCREF(out);
+    Py_XINCREF(header);
+    if (self->status)
+        __atomic_store_n(self->status, (int64_t)monotonic_ns(), __ATOMIC_RELAXED);
+    sample = !(++self->batches % THREAD_SAMPLE_EVERY);
+    /* Both CPU clocks in the same order at both ends, as the Python worker reads them. */
+    cpu0 = clock_ns(CLOCK_PROCESS_CPUTIME_ID);
+    if (sample)
+        thread0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+    wall0 = monotonic_ns();
+    result = PyObject_CallFunctionObjArgs(infer_into, inputs, out ? out : Py_None, NULL);
+    Py_DECREF(inputs);
+    wall = monotonic_ns() - wall0;
+    if (self->status)
+        __atomic_store_n(self->status, (int64_t)0, __ATOMIC_RELAXED);
+    measured = wall >= CPU_EXACT_NS || sample;
+    cpu = measured ? clock_ns(CLOCK_PROCESS_CPUTIME_ID) - cpu0 : CPU_NOT_MEASURED;
+    thread = sample ? clock_ns(CLOCK_THREAD_CPUTIME_ID) - thread0 : CPU_NOT_MEASURED;
+
+    if (result == NULL || out == NULL || result != out) {
+        PyObject *exc = Py_None, *type = NULL, *value = NULL, *tb = NULL, *back;
+        Py_XDECREF(out);
+        Py_XDECREF(header);
+        if (result == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL; /* SystemExit, KeyboardInterrupt: as in Python, not a batch's */
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            exc = value ? value : Py_None;
+        }
+        back = Py_BuildValue("(iIKKIOOKKKO)", 1, index, (unsigned long long)tag,
+                             (unsigned long long)start_ns, rows, result ? result : Py_None, exc,
+                            (unsigned long long)wall, (unsigned long long)cpu,
+                            (unsigned long long)thread, measured ? Py_True : Py_False);
+        Py_XDECREF(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return back;
+    }
+    Py_DECREF(result);
+    Py_DECREF(out);
+
+    /* The backend wrote into the response slot: the header, the fields, the ring, DONE. */
+    done_ns = monotonic_ns();
+    memcpy((void *)response, header_data, (size_t)header_len);
+    Py_DECREF(header);
+    *(volatile uint32_t *)(slot + S_RESPONSE_LEN) = (uint32_t)total;
+    *(volatile uint32_t *)(slot + S_BATCH_SIZE) = rows;
+    *(volatile uint64_t *)(slot + S_RESPONSE_SEQ) = tag;
+    *(volatile uint64_t *)(slot + S_DONE_NS) = done_ns;
+    enqueued = *(volatile uint64_t *)(slot + S_ENQUEUE_NS);
+    queue_wait = enqueued < start_ns ? start_ns - enqueued : 0;
+    head = *(volatile uint64_t *)(self->base + H_RING_HEAD);
+    record = (uint64_t *)(self->base + self->ring_off + (head % self->ring_records) * RING_RECORD);
+    record[0] = done_ns;
+    record[1] = wall;
+    record[2] = cpu;
+    record[3] = thread;
+    record[4] = queue_wait;
+    record[5] = rows;
+    /* The record before the answer: a client that has seen DONE finds its batch. */
+    __atomic_store_n((uint64_t *)(self->base + H_RING_HEAD), head + 1, __ATOMIC_RELEASE);
+    __atomic_store_n((uint32_t *)(self->base + self->states_off) + index, ST_DONE,
+                     __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* DONE before the load of the waiter flag */
+    if (load32(slot + S_WAITER))
+        futex(self->base + self->states_off + 4u * index, FUTEX_WAKE, INT_MAX, NULL);
+    __atomic_store_n(&self->claims[index], 0u, __ATOMIC_RELEASE); /* answered: leasable */
+    if ((double)wall > self->slow_wall_ns || (measured && (double)cpu > self->slow_cpu_ns))
+        return Py_BuildValue("(iIIOKKKK)", 2, index, rows, measured ? Py_True : Py_False,
+                             (unsigned long long)cpu, (unsigned long long)thread,
+                             (unsigned long long)wall, (unsigned long long)queue_wait);
+    return PyLong_FromUnsignedLong(index);
+}
+
+static PyMethodDef loop_methods[] = {
+    {"learn", loop_learn, METH_VARARGS,
+     "learn(index, prefix, min_len, inputs, rows, out, header, total)"},
+    {"forget", loop_forget, METH_O, "forget(index)"},
+    {"serve", loop_serve, METH_O, "serve(infer_into) -> None, False, index or a tuple"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot loop_slots[] = {
+    {Py_tp_dealloc, (void *)loop_dealloc},
+    {Py_tp_methods, loop_methods},
+    {Py_tp_doc, (void *)"the worker's serve step (see shminfer.worker)"},
+    {0, NULL},
+};
+
+static PyType_Spec loop_spec = {
+    "shminfer._fast.Loop", sizeof(Loop), 0, Py_TPFLAGS_DEFAULT, loop_slots,
+};
+
 static PyMethodDef methods[] = {
     {"fence", fast_fence, METH_NOARGS, "full memory fence"},
     {"futex_wait", fast_futex_wait, METH_VARARGS, "futex_wait(addr, expected, timeout_s)"},
@@ -274,6 +674,8 @@ static PyMethodDef methods[] = {
     {"spin_state", fast_spin_state, METH_VARARGS, "spin_state(state_addr, spin_ns) -> state"},
     {"spin_ready", fast_spin_ready, METH_VARARGS, "spin_ready(states, count, spin_ns)"},
     {"answer", fast_answer, METH_VARARGS, "answer(state_addr, slot_addr, state)"},
+    {"loop", fast_loop, METH_VARARGS,
+     "loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -284,5 +686,20 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fast(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m;
+    if (!loop_type) {
+        loop_type = PyType_FromSpec(&loop_spec);
+        if (!loop_type)
+            return NULL;
+    }
+    m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(loop_type);
+    if (PyModule_AddObject(m, "Loop", loop_type) < 0) {
+        Py_DECREF(loop_type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -143,6 +143,13 @@ class Encoder:
         buf[: len(header)] = header
         return last[3]
 
+    def in_place_header(self, buf: memoryview, slot):
+        """(header, payload length) of the layout :meth:`out_views` describes for ``slot``."""
+        last = self._last.get(slot)
+        if last is None or last[0] is not buf or last[5] is None:
+            raise PayloadError("no payload views for this slot")
+        return last[2], last[3]
+
     def _encode_slow(self, buf, arrays, slot):
         if not all(type(a) is np.ndarray for a in arrays.values()):
             arrays = {name: np.asarray(a) for name, a in arrays.items()}
@@ -252,6 +259,15 @@ class Decoder:
             prefix = bytes(buf[: 4 + header_len])
             self._last[slot] = (buf, buf[: 4 + header_len], prefix, views, length)
         return views
+
+    def cached(self, buf: memoryview, slot):
+        """(prefix, minimum length, views) the next :meth:`decode` of ``slot`` returns the
+        views for, when ``buf`` starts with ``prefix`` (the u32 descriptor length and the
+        descriptor bytes) and its length is at least the minimum; None if none is cached."""
+        last = self._last.get(slot)
+        if last is None or last[0] is not buf:
+            return None
+        return last[2], last[4], last[3]
 
     @staticmethod
     def _parse(header: bytes, length: int):

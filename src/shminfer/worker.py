@@ -219,9 +219,32 @@ class Worker:
         # the batch size they fit), reused while the decoder hands back the same views.
         self._rows = [None] * segment.slot_count
         self._outs = [None] * segment.slot_count
+        self._taught = [None] * segment.slot_count  # (views, out) the C loop has per slot
         self._batches = 0
         # SCHED_FIFO only while inferring: two sched_setscheduler calls around each batch.
         self._sched_switch = policy.enabled and policy.mode == "infer"
+        self._loop = self._c_loop(claims, status)
+
+    def _c_loop(self, claims, status):
+        """The C serve step (shminfer._fast.loop) where it is built and fits the options:
+        one READY request of a layout its slot had before, served and answered in C."""
+        fast = _sys.FAST
+        if fast is None or not hasattr(fast, "loop") or self.min_batch > 1 or self._sched_switch:
+            return None
+        seg = self.seg
+        # An export of the mapping: the mmap cannot be closed while the loop may use it.
+        keep = (memoryview(seg.mm), claims, status)
+        return fast.loop(
+            keep,
+            _sys.address_of(seg.mm),
+            len(seg.mm),
+            seg.geometry,
+            (seg.states_off, seg.table_off, seg.requests_off, seg.responses_off, seg.ring_off),
+            _sys.address_of(claims),
+            None if status is None else _sys.address_of(status),
+            self.slow_wall_ns,
+            self.slow_cpu_ns,
+        )
 
     # ------------------------------------------------------------ waiting
 
@@ -284,7 +307,18 @@ class Worker:
     # ------------------------------------------------------------ serving
 
     def run(self):
+        loop = self._loop
+        infer_into = self.backend.infer_into
         while True:
+            if loop is not None:
+                served = loop.serve(infer_into)
+                if served is None:
+                    self._wait_for_work()
+                    continue
+                if served is not False:  # False: several READY, batched below
+                    if type(served) is not int:
+                        self._finish_c(served)
+                    continue
             claimed = self._claim()
             if not claimed:
                 self._wait_for_work()
@@ -307,6 +341,65 @@ class Worker:
             for index in claimed:
                 claims[index] = 0
 
+    def _finish_c(self, served):
+        """A slot the C loop claimed and handed back (see _fast.c, loop_serve)."""
+        kind, index = served[0], served[1]
+        if kind == 2:  # answered; slow
+            self._log_slow(
+                1,
+                served[2],
+                measured=served[3],
+                cpu=served[4],
+                thread=served[5],
+                wall=served[6],
+                queue_wait=served[7],
+            )
+            return
+        try:
+            self.tags[index] = served[2]
+            if kind == 0:  # not of the layout the loop knows: the Python path from decode
+                self._serve_one(index, served[3])
+            else:  # the backend raised or answered elsewhere: encode as _run_group does
+                _, _, _, start_ns, rows, outputs, exc, wall, cpu, thread, measured = served
+                if exc is not None:
+                    error = str(exc) if isinstance(exc, BackendError) else repr(exc)
+                elif not isinstance(outputs, dict):
+                    error = f"the backend returned {type(outputs).__name__}, not a dict"
+                else:
+                    error = None
+                self._after_infer(
+                    ((index, None, rows),),
+                    start_ns,
+                    out=None,
+                    outputs=outputs,
+                    error=error,
+                    clocks=(wall, cpu, thread, measured),
+                )
+            self._teach(index)
+        except Exception as exc:  # as in run(): one batch, not the worker
+            log_event("batch_failed", cpu=self.cpu, error=repr(exc)[:500])
+            if self.seg.state_words[index] == PROCESSING:
+                self._fail(index, f"request failed in the worker: {exc!r}"[:500])
+        self.claims[index] = 0
+
+    def _teach(self, index):
+        """Give the C loop this slot's validated request layout and response arrays."""
+        cached = self.decoder.cached(self.requests[index], index)
+        known = self._rows[index]
+        if cached is None or known is None or known[0] is not cached[2]:
+            self._loop.forget(index)
+            self._taught[index] = None
+            return
+        out = self._out_views(index, known[1])
+        taught = self._taught[index]
+        if taught is not None and taught[0] is cached[2] and taught[1] is out:
+            return
+        header, total = (b"", 0)
+        if out is not None:
+            header, total = self.encoder.in_place_header(self.responses[index], index)
+        self._loop.learn(index, cached[0], cached[1], cached[2], known[1], out, header, total)
+        self._taught[index] = (cached[2], out)
+
     def _fail(self, index, message):
         raw = message.encode("utf-8", "replace")[: min(self.seg.response_bytes, MAX_ERROR)]
         self.responses[index][: len(raw)] = raw
@@ -318,11 +411,13 @@ class Worker:
         self.seg.state_words[index] = ERROR
         self.seg.wake_slot(index)
 
-    def _serve_one(self, index):
-        """One claimed request (the common case): _serve without the batch bookkeeping."""
+    def _serve_one(self, index, start_ns=None):
+        """One claimed request (the common case): _serve without the batch bookkeeping.
+        ``start_ns``: the C loop stamped the start already."""
         seg = self.seg
-        start_ns = time.monotonic_ns()
-        seg.slot64[index * S64 + S64_START_NS] = start_ns
+        if start_ns is None:
+            start_ns = time.monotonic_ns()
+            seg.slot64[index * S64 + S64_START_NS] = start_ns
         try:
             inputs = self.decoder.decode(
                 self.requests[index], seg.slot32[index * S32 + S32_REQUEST_LEN], slot=index

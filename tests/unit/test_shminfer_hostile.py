@@ -253,6 +253,61 @@ def test_crafted_requests_fail_alone_and_the_worker_keeps_serving_others():
         assert server.restarts[server.cpus[0]] == 0
 
 
+def test_a_request_rewritten_after_its_layout_was_learned_is_checked_again():
+    # The worker reuses a slot's decoded views (in C where it is built) only while the
+    # request's length word and descriptor bytes are the ones it validated: every rewrite
+    # of either is decoded afresh and refused, and the worker keeps serving.
+    with serving(slots=2) as server, Client(server.name, slots_per_worker=1) as client:
+        client.wait_ready(60)
+        lane = client.lanes[0]
+        seg = lane.seg
+        (slot,) = lane.leased
+        for value in range(5):
+            assert np.all(client.infer(_x(float(value)), timeout=20)["y"] == value)
+        good = bytes(lane.requests[slot][:320])  # 64 bytes of descriptor, 1 x 64 float32
+        assert Decoder().decode(memoryview(bytearray(good)), 320)["x"].shape == (1, 64)
+
+        def submit(payload, length):
+            lane.free.remove(slot)
+            lane.requests[slot][: len(payload)] = payload
+            seq = (lane.generation[slot] << 32) | 0xFFFF0000
+            seg.slot_set(slot, "request_len", length)
+            seg.slot_set(slot, "seq", seq)
+            seg.slot_set(slot, "enqueue_ns", time.monotonic_ns())
+            seg.state_words[slot] = 2  # READY
+            seg.ring_doorbell()
+            return client.finish(Pending(0, slot, seq, time.monotonic() + 20), copy=True)
+
+        def rewritten(offset, raw):
+            return good[:offset] + raw + good[offset + len(raw) :]
+
+        header_len = struct.unpack_from("<I", good)[0]
+        dims_at = 4 + 2 + 2 + 4 + 1  # u32 length, count, "x", "<f4", ndim
+        refused = {
+            "too short": (good, 319),
+            "past the slot": (good, 2**32 - 1),
+            "a dimension": (rewritten(dims_at + 8, struct.pack("<Q", 65)), 320),
+            "the descriptor length": (rewritten(0, struct.pack("<I", header_len + 1)), 320),
+            "the offset": (rewritten(4 + header_len - 16, struct.pack("<Q", 65)), 320),
+            "the dtype": (rewritten(dims_at - 4, b"|O8"), 320),
+        }
+        for what, (payload, length) in refused.items():
+            with pytest.raises(InferenceError, match="bad request"):
+                submit(payload, length)
+                pytest.fail(f"a request with {what} rewritten was answered")
+            assert np.all(client.infer(_x(7.0), timeout=20)["y"] == 7.0), what
+        # The same descriptor over new data: the data is the request, answered as such.
+        fresh = good[:64] + np.full(64, 9.0, np.float32).tobytes()
+        assert np.all(submit(fresh, 320)["y"] == 9.0)
+        # A scribbled ring head: the worker's next records wrap, inside the ring.
+        seg.set("ring_head", 2**64 - 1)
+        for value in (10.0, 11.0):
+            assert np.all(client.infer(_x(value), timeout=20)["y"] == value)
+        assert seg.get("ring_head") == 1
+        assert seg.ring_read()[0].shape == (1, 6)
+        assert server.restarts[server.cpus[0]] == 0
+
+
 def test_garbage_state_words_and_error_text_are_refused_not_accepted():
     with serving(backend="sleep", model="150", slots=4) as server, Client(server.name) as client:
         client.wait_ready(60)
