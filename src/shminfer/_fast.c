@@ -272,9 +272,9 @@ static PyObject *fast_answer(PyObject *self, PyObject *args)
 
 /* ------------------------------------------------------------------ the worker's loop
  *
- * Loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns):
- * the worker's serve step for the common case, one READY request whose layout this slot
- * has had before (Worker._serve_one, _run_group, _answer_in_place, queue.ring_append and
+ * loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns,
+ * one_at_a_time=False): the worker's serve step for the common case, one READY request
+ * (with one_at_a_time, the lowest-seq one of several) whose layout this slot has had before (Worker._serve_one, _run_group, _answer_in_place, queue.ring_append and
  * the answer, in C). Everything else is handed back to the Python worker.
  *
  * Addresses: ``base`` is the segment mapping's address and ``map_len`` its length; every
@@ -329,6 +329,7 @@ typedef struct {
     uint32_t *claims;
     int64_t *status;
     double slow_wall_ns, slow_cpu_ns;
+    int one_at_a_time; /* max_batch 1: of several READY, the lowest seq, as Worker._claim */
     uint64_t batches;
     struct slot_cache *cache;
 } Loop;
@@ -383,13 +384,14 @@ static PyObject *fast_loop(PyObject *module, PyObject *args)
     unsigned long long map_len, slot_count, states_off, table_off, requests_off, request_bytes;
     unsigned long long responses_off, response_bytes, ring_off, ring_records;
     double slow_wall_ns, slow_cpu_ns;
+    int one_at_a_time = 0;
     uintptr_t base, claims, status = 0;
     Loop *self;
     (void)module;
-    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)OOdd", &PyTuple_Type, &keep, &base_obj,
+    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)OOdd|p", &PyTuple_Type, &keep, &base_obj,
                           &map_len, &slot_count, &request_bytes, &response_bytes, &ring_records,
                           &states_off, &table_off, &requests_off, &responses_off, &ring_off,
-                          &claims_obj, &status_obj, &slow_wall_ns, &slow_cpu_ns))
+                          &claims_obj, &status_obj, &slow_wall_ns, &slow_cpu_ns, &one_at_a_time))
         return NULL;
     if (get_addr(base_obj, &base) < 0 || get_addr(claims_obj, &claims) < 0)
         return NULL;
@@ -432,6 +434,7 @@ static PyObject *fast_loop(PyObject *module, PyObject *args)
     self->status = (int64_t *)status;
     self->slow_wall_ns = slow_wall_ns;
     self->slow_cpu_ns = slow_cpu_ns;
+    self->one_at_a_time = one_at_a_time;
     return (PyObject *)self;
 }
 
@@ -510,8 +513,8 @@ static PyObject *loop_forget(PyObject *obj, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* serve(infer_into) -> None (nothing READY), False (more than one READY: the Python
- * worker claims and batches them), an int (that slot was served and answered here), or a
+/* serve(infer_into) -> None (nothing READY), False (more than one READY and not
+ * one_at_a_time: the Python worker claims and batches them), an int (that slot was served and answered here), or a
  * tuple for the Python worker to finish a slot claimed here:
  *   (0, index, tag, start_ns)                 its request is not of the cached layout;
  *   (1, index, tag, start_ns, rows, outputs or None, exception or None, wall, cpu,
@@ -533,11 +536,18 @@ static PyObject *loop_serve(PyObject *obj, PyObject *infer_into)
     uint64_t total;
     uint32_t rows;
 
+    uint64_t oldest = 0, seq;
     for (i = 0; i < self->slot_count; i++)
         if (states[i] == ST_READY) {
-            index = i;
-            if (++found > 1)
+            /* A peer's seq only orders the READY slots (ties: the lowest index). */
+            seq = *(volatile uint64_t *)(self->base + self->table_off +
+                                         (uintptr_t)i * SLOT_HEADER + S_SEQ);
+            if (++found > 1 && !self->one_at_a_time)
                 Py_RETURN_FALSE;
+            if (found == 1 || seq < oldest) {
+                index = i;
+                oldest = seq;
+            }
         }
     if (!found)
         Py_RETURN_NONE;
@@ -675,7 +685,8 @@ static PyMethodDef methods[] = {
     {"spin_ready", fast_spin_ready, METH_VARARGS, "spin_ready(states, count, spin_ns)"},
     {"answer", fast_answer, METH_VARARGS, "answer(state_addr, slot_addr, state)"},
     {"loop", fast_loop, METH_VARARGS,
-     "loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns)"},
+     "loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns, "
+     "one_at_a_time=False)"},
     {NULL, NULL, 0, NULL},
 };
 

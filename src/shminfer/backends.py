@@ -20,6 +20,10 @@ class BackendError(RuntimeError):
 
 class Backend:
     name = "base"
+    # Whether requests of one signature are worth merging into one model call (one call's
+    # fixed cost shared, as an engine's is). False: the worker serves READY requests one at
+    # a time, oldest first, each answered in place when the backend can (infer_into).
+    merge = True
 
     def load(self, model: str | None, threads: int = 1) -> None:
         raise NotImplementedError
@@ -49,6 +53,7 @@ class EchoBackend(Backend):
     """Returns each input twice along the last axis: 16 KiB in, 32 KiB out (the IPC bench)."""
 
     name = "echo"
+    merge = False  # an echo costs the same per row: merging would only add two copies
 
     def __init__(self):
         self._cached = None
@@ -130,6 +135,7 @@ class BurnBackend(EchoBackend):
     """
 
     name = "burn"
+    merge = True  # a fixed CPU cost per model call, as an engine's
 
     def load(self, model=None, threads=1):
         self._burn_ns = int(_milliseconds(self.name, model) * 1e6)
@@ -150,6 +156,7 @@ class SleepBackend(EchoBackend):
     the copy: a slow or hung engine for fault drills (``--model 1e9`` never answers)."""
 
     name = "sleep"
+    merge = True
 
     def load(self, model=None, threads=1):
         self._sleep_s = _milliseconds(self.name, model) / 1e3

@@ -204,6 +204,8 @@ class Worker:
         self.policy = policy
         self.min_batch = max(1, min_batch)
         self.max_batch = max(self.min_batch, max_batch)
+        if not getattr(backend, "merge", True) and self.min_batch == 1:
+            self.max_batch = 1  # see Backend.merge
         self.max_wait_ns = max_wait_us * 1000
         self.spin_ns = spin_us * 1000
         self.slow_cpu_ns = slow_cpu_ms * 1e6
@@ -244,6 +246,7 @@ class Worker:
             None if status is None else _sys.address_of(status),
             self.slow_wall_ns,
             self.slow_cpu_ns,
+            self.max_batch == 1,
         )
 
     # ------------------------------------------------------------ waiting

@@ -169,6 +169,22 @@ def test_answers_written_in_place_follow_the_request_and_rewrite_a_scribbled_hea
             np.testing.assert_array_equal(y, np.concatenate([x, x], axis=-1))
 
 
+def test_a_backend_that_gains_nothing_from_merging_is_served_one_request_at_a_time():
+    # Echo declares merge = False: several READY requests are answered one by one (each in
+    # place), never concatenated into one call and copied apart again.
+    with serving() as server, Client(server.name, slots_per_worker=8) as client:
+        client.wait_ready(60)
+        seg = client.lanes[0].seg
+        head = seg.get("ring_head")
+        for _ in range(20):
+            pending = [client.start(_x(float(i), rows=1 + i % 2)) for i in range(6)]
+            for i, p in enumerate(pending):
+                assert np.all(client.finish(p)["y"] == float(i))
+        records = seg.ring_read(head)[0]
+        assert records.shape[0] == 120
+        assert set(records[:, 5]) == {1.0, 2.0}  # each batch one request's rows
+
+
 def test_bad_requests_get_an_error_and_the_worker_keeps_serving():
     with serving() as server, Client(server.name) as client:
         client.wait_ready(60)
