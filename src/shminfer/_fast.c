@@ -513,16 +513,18 @@ static PyObject *loop_forget(PyObject *obj, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* serve(infer_into) -> None (nothing READY), False (more than one READY and not
+/* serve(infer_into, spin_ns=0) -> None (nothing READY, after spinning up to spin_ns), False (more than one READY and not
  * one_at_a_time: the Python worker claims and batches them), an int (that slot was served and answered here), or a
  * tuple for the Python worker to finish a slot claimed here:
  *   (0, index, tag, start_ns)                 its request is not of the cached layout;
  *   (1, index, tag, start_ns, rows, outputs or None, exception or None, wall, cpu,
  *    thread, measured)                        the backend raised or answered elsewhere;
  *   (2, index, rows, measured, cpu, thread, wall, queue_wait)   answered, but slow. */
-static PyObject *loop_serve(PyObject *obj, PyObject *infer_into)
+static PyObject *loop_serve(PyObject *obj, PyObject *args)
 {
     Loop *self = (Loop *)obj;
+    PyObject *infer_into;
+    long long spin_ns = 0;
     const volatile uint32_t *states = (const volatile uint32_t *)(self->base + self->states_off);
     uint32_t i, index = 0, found = 0;
     uintptr_t slot, request, response;
@@ -537,6 +539,9 @@ static PyObject *loop_serve(PyObject *obj, PyObject *infer_into)
     uint32_t rows;
 
     uint64_t oldest = 0, seq;
+    if (!PyArg_ParseTuple(args, "O|L", &infer_into, &spin_ns))
+        return NULL;
+scan:
     for (i = 0; i < self->slot_count; i++)
         if (states[i] == ST_READY) {
             /* A peer's seq only orders the READY slots (ties: the lowest index). */
@@ -549,6 +554,27 @@ static PyObject *loop_serve(PyObject *obj, PyObject *infer_into)
                 oldest = seq;
             }
         }
+    if (!found && spin_ns > 0) {
+        /* Nothing READY: spin here (GIL released) as spin_ready does, then scan once more;
+         * the detection-to-claim path then runs no Python. */
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t until = monotonic_ns() + (uint64_t)spin_ns;
+        unsigned n = 0;
+        int ready = 0;
+        while (!ready) {
+            for (i = 0; i < self->slot_count; i++)
+                if (states[i] == ST_READY) {
+                    ready = 1;
+                    break;
+                }
+            cpu_relax();
+            if (!(++n & 31) && monotonic_ns() >= until)
+                break;
+        }
+        Py_END_ALLOW_THREADS
+        spin_ns = 0;
+        goto scan;
+    }
     if (!found)
         Py_RETURN_NONE;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -660,7 +686,8 @@ static PyMethodDef loop_methods[] = {
     {"learn", loop_learn, METH_VARARGS,
      "learn(index, prefix, min_len, inputs, rows, out, header, total)"},
     {"forget", loop_forget, METH_O, "forget(index)"},
-    {"serve", loop_serve, METH_O, "serve(infer_into) -> None, False, index or a tuple"},
+    {"serve", loop_serve, METH_VARARGS,
+     "serve(infer_into, spin_ns=0) -> None, False, index or a tuple"},
     {NULL, NULL, 0, NULL},
 };
 

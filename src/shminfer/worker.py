@@ -251,7 +251,9 @@ class Worker:
 
     # ------------------------------------------------------------ waiting
 
-    def _wait_for_work(self):
+    def _wait_for_work(self, spin=True):
+        """Spin for ``spin_us`` (unless ``spin`` is False: the caller spun), then sleep on
+        the doorbell until a client rings it."""
         seg = self.seg
         any_ready = seg.any_ready
         if self.wait_mode == "sleep":
@@ -259,10 +261,10 @@ class Worker:
             while not any_ready():
                 time.sleep(0.0005)
             return
-        if _sys.FAST is not None:
+        if spin and _sys.FAST is not None:
             if _sys.FAST.spin_ready(seg._state_addr0, seg.slot_count, self.spin_ns):
                 return
-        else:
+        elif spin:
             clock = time.perf_counter_ns
             deadline = clock() + self.spin_ns
             while clock() < deadline:
@@ -312,11 +314,13 @@ class Worker:
     def run(self):
         loop = self._loop
         infer_into = self.backend.infer_into
+        # The C loop spins for work itself (no Python between a READY and its claim).
+        spin_ns = self.spin_ns if self.wait_mode != "sleep" else 0
         while True:
             if loop is not None:
-                served = loop.serve(infer_into)
+                served = loop.serve(infer_into, spin_ns)
                 if served is None:
-                    self._wait_for_work()
+                    self._wait_for_work(spin=False)
                     continue
                 if served is not False:  # False: several READY, batched below
                     if type(served) is not int:
