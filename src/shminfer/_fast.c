@@ -5,9 +5,13 @@
  * them, and the worker's serve step for a request of a layout its slot had before (Loop,
  * below). Addresses are plain integers into the segment mapping, computed once by the
  * caller (_sys.address_of); the caller keeps the mapping alive (Loop holds an export).
- * Only Loop reads what a peer can write beyond state words: each such word once, into a
- * local, checked as the Python worker checks it (see the comment above Loop); every
- * payload descriptor is still parsed and validated by the Python decoder.
+ * Only Loop and Port.recv read what a peer can write beyond state words: each such word
+ * once, into a local, checked as the Python worker and client check it (see the comments
+ * above Loop and Port); every payload descriptor is still parsed and validated by the
+ * Python decoder, and what the C code reuses is what that decoder validated.
+ *
+ * Port (the client's side) does the same for Client.start's encode and publish and
+ * Client.finish's spin and checks, for a slot's last layout.
  *
  * Offsets must match queue.py: header doorbell 48, worker_sleeping 52, ring_head 72;
  * slot header waiter 4, seq 8, request_len 20, response_len 32, batch_size 36,
@@ -702,6 +706,403 @@ static PyType_Spec loop_spec = {
     "shminfer._fast.Loop", sizeof(Loop), 0, Py_TPFLAGS_DEFAULT, loop_slots,
 };
 
+/* ------------------------------------------------------------------ the client's port
+ *
+ * port(keep, base, map_len, geometry, offsets, ndarray): the client's two per-request steps
+ * for a lane (one worker's segment), each one call: send (Client.start's encode of the
+ * layout this slot had last, then publish) and recv (Client.finish's spin, state and tag
+ * check and the decoder's reuse test). Anything else returns to the Python client, which
+ * then does everything as on the pure path. Addresses as in Loop: base + region + index *
+ * size, index < slot_count, the regions checked against the mapping once, here.
+ *
+ * What a peer can write and recv reads: the slot's state word, response_seq,
+ * response_len and the response's descriptor bytes, each once into a local (the bytes by
+ * one memcmp), checked as Client.finish and Decoder.decode check them: DONE, the
+ * request's tag, the cached minimum length <= response_len <= the slot size, the prefix
+ * byte for byte the one the Python decoder validated. The views returned are the
+ * decoder's own (inside the slot whatever a peer writes later). A mismatch of any of them
+ * is not judged here: the Python client reads the words afresh and decides. send reads
+ * nothing a peer can write (its inputs are the caller's own arrays). */
+
+struct send_cache {
+    Py_ssize_t count;
+    PyObject *names, *dtypes, *shapes, *dests; /* tuples: the encoder's last layout */
+    PyObject *header;                          /* bytes: u32 length + descriptor */
+    const char *header_data;
+    Py_ssize_t header_len;
+    uint64_t total;
+};
+
+struct recv_cache {
+    PyObject *prefix; /* bytes: the response's u32 length + descriptor, as validated */
+    const char *prefix_data;
+    Py_ssize_t prefix_len;
+    uint64_t min_len;
+    PyObject *views; /* the decoder's views of this response slot (a dict) */
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keep;
+    PyObject *ndarray;
+    uintptr_t base;
+    uint32_t slot_count;
+    uint64_t states_off, table_off, requests_off, request_bytes, responses_off, response_bytes;
+    struct send_cache *send;
+    struct recv_cache *recv;
+} Port;
+
+#define ST_WRITING 1u
+#define MAX_PORT_ARRAYS 64
+
+static PyObject *port_type;
+static PyObject *str_dtype, *str_shape;
+
+static void send_clear(struct send_cache *c)
+{
+    Py_CLEAR(c->names);
+    Py_CLEAR(c->dtypes);
+    Py_CLEAR(c->shapes);
+    Py_CLEAR(c->dests);
+    Py_CLEAR(c->header);
+    c->header_data = NULL;
+    c->header_len = 0;
+    c->count = 0;
+    c->total = 0;
+}
+
+static void recv_clear(struct recv_cache *c)
+{
+    Py_CLEAR(c->prefix);
+    Py_CLEAR(c->views);
+    c->prefix_data = NULL;
+    c->prefix_len = 0;
+    c->min_len = 0;
+}
+
+static void port_dealloc(PyObject *obj)
+{
+    Port *self = (Port *)obj;
+    PyTypeObject *type = Py_TYPE(obj);
+    uint32_t i;
+    for (i = 0; self->send && i < self->slot_count; i++)
+        send_clear(&self->send[i]);
+    for (i = 0; self->recv && i < self->slot_count; i++)
+        recv_clear(&self->recv[i]);
+    PyMem_Free(self->send);
+    PyMem_Free(self->recv);
+    Py_XDECREF(self->keep);
+    Py_XDECREF(self->ndarray);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(obj);
+    Py_DECREF(type);
+}
+
+static PyObject *fast_port(PyObject *module, PyObject *args)
+{
+    PyObject *keep, *base_obj, *ndarray;
+    unsigned long long map_len, slot_count, states_off, table_off, requests_off, request_bytes;
+    unsigned long long responses_off, response_bytes, ring_off, ring_records;
+    uintptr_t base;
+    Port *self;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)O", &PyTuple_Type, &keep, &base_obj, &map_len,
+                          &slot_count, &request_bytes, &response_bytes, &ring_records,
+                          &states_off, &table_off, &requests_off, &responses_off, &ring_off,
+                          &ndarray) ||
+        get_addr(base_obj, &base) < 0)
+        return NULL;
+    if (!PyType_Check(ndarray)) {
+        PyErr_SetString(PyExc_TypeError, "shminfer._fast.port: ndarray must be a type");
+        return NULL;
+    }
+    if (slot_count < 1 || slot_count > 65536 || ring_records < 1 || (base & 7) ||
+        (states_off & 3) || (table_off & 7) || states_off < 4096 ||
+        !region_fits(states_off, slot_count, 4, table_off) ||
+        !region_fits(table_off, slot_count, SLOT_HEADER, requests_off) ||
+        !region_fits(requests_off, slot_count, request_bytes, responses_off) ||
+        !region_fits(responses_off, slot_count, response_bytes, ring_off) ||
+        !region_fits(ring_off, ring_records, RING_RECORD, map_len)) {
+        PyErr_SetString(PyExc_ValueError, "shminfer._fast.port: geometry outside the mapping");
+        return NULL;
+    }
+    self = (Port *)PyType_GenericAlloc((PyTypeObject *)port_type, 0);
+    if (!self)
+        return NULL;
+    self->slot_count = (uint32_t)slot_count;
+    self->send = PyMem_Calloc((size_t)slot_count, sizeof(struct send_cache));
+    self->recv = PyMem_Calloc((size_t)slot_count, sizeof(struct recv_cache));
+    if (!self->send || !self->recv) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(keep);
+    self->keep = keep;
+    Py_INCREF(ndarray);
+    self->ndarray = ndarray;
+    self->base = base;
+    self->states_off = states_off;
+    self->table_off = table_off;
+    self->requests_off = requests_off;
+    self->request_bytes = request_bytes;
+    self->responses_off = responses_off;
+    self->response_bytes = response_bytes;
+    return (PyObject *)self;
+}
+
+static int port_index(Port *self, PyObject *obj, uint32_t *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v >= self->slot_count) {
+        PyErr_SetString(PyExc_IndexError, "shminfer._fast.Port: slot index out of range");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* learn_send(index, names, dtypes, shapes, dests, header, total): the layout the Python
+ * encoder last wrote to this slot (dests: its ndarrays in the request slot, None for an
+ * empty array). */
+static PyObject *port_learn_send(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *index_obj, *names, *dtypes, *shapes, *dests, *header;
+    unsigned long long total;
+    uint32_t index;
+    char *hdata;
+    Py_ssize_t hlen, count, i;
+    struct send_cache *c;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!K", &index_obj, &PyTuple_Type, &names, &PyTuple_Type,
+                          &dtypes, &PyTuple_Type, &shapes, &PyTuple_Type, &dests, &PyBytes_Type,
+                          &header, &total) ||
+        port_index(self, index_obj, &index) < 0 ||
+        PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
+        return NULL;
+    count = PyTuple_Size(names);
+    if (count < 0 || count > MAX_PORT_ARRAYS || PyTuple_Size(dtypes) != count ||
+        PyTuple_Size(shapes) != count || PyTuple_Size(dests) != count || hlen < 6 ||
+        (uint64_t)hlen > total || total > self->request_bytes || total > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "shminfer._fast.Port.learn_send: layout outside the slot");
+        return NULL;
+    }
+    for (i = 0; i < count; i++) {
+        PyObject *dest = PyTuple_GetItem(dests, i);
+        if (!PyUnicode_CheckExact(PyTuple_GetItem(names, i)) ||
+            (dest != Py_None && Py_TYPE(dest) != (PyTypeObject *)self->ndarray)) {
+            PyErr_SetString(PyExc_TypeError, "shminfer._fast.Port.learn_send: bad layout");
+            return NULL;
+        }
+    }
+    c = &self->send[index];
+    send_clear(c);
+    Py_INCREF(names);
+    Py_INCREF(dtypes);
+    Py_INCREF(shapes);
+    Py_INCREF(dests);
+    Py_INCREF(header);
+    c->names = names;
+    c->dtypes = dtypes;
+    c->shapes = shapes;
+    c->dests = dests;
+    c->header = header;
+    c->header_data = hdata;
+    c->header_len = hlen;
+    c->count = count;
+    c->total = total;
+    Py_RETURN_NONE;
+}
+
+/* learn_recv(index, prefix, min_len, views): the Python decoder's cached response layout
+ * of this slot (Decoder.cached). */
+static PyObject *port_learn_recv(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *index_obj, *prefix, *views;
+    unsigned long long min_len;
+    uint32_t index;
+    char *pdata;
+    Py_ssize_t plen;
+    struct recv_cache *c;
+    if (!PyArg_ParseTuple(args, "OO!KO!", &index_obj, &PyBytes_Type, &prefix, &min_len,
+                          &PyDict_Type, &views) ||
+        port_index(self, index_obj, &index) < 0 ||
+        PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0)
+        return NULL;
+    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->response_bytes) {
+        PyErr_SetString(PyExc_ValueError, "shminfer._fast.Port.learn_recv: sizes outside the slot");
+        return NULL;
+    }
+    c = &self->recv[index];
+    recv_clear(c);
+    Py_INCREF(prefix);
+    Py_INCREF(views);
+    c->prefix = prefix;
+    c->prefix_data = pdata;
+    c->prefix_len = plen;
+    c->min_len = min_len;
+    c->views = views;
+    Py_RETURN_NONE;
+}
+
+static PyObject *port_forget(PyObject *obj, PyObject *arg)
+{
+    Port *self = (Port *)obj;
+    uint32_t index;
+    if (port_index(self, arg, &index) < 0)
+        return NULL;
+    send_clear(&self->send[index]);
+    recv_clear(&self->recv[index]);
+    Py_RETURN_NONE;
+}
+
+/* 1: same, 0: not, -1: error. */
+static inline int same(PyObject *a, PyObject *b)
+{
+    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* send(index, inputs, seq) -> payload length, or None (not the learned layout: nothing
+ * was written). Encoder.encode_into's reuse test (the same names in order, exact ndarrays,
+ * equal dtypes and shapes), then WRITING, the header, one copy per array (numpy's own
+ * assignment), request_len, seq, enqueue_ns, READY and the doorbell, as Client.start. */
+static PyObject *port_send(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *index_obj, *inputs, *key, *value, *attr, *values[MAX_PORT_ARRAYS];
+    unsigned long long seq;
+    uint32_t index;
+    Py_ssize_t pos = 0, i = 0, n;
+    struct send_cache *c;
+    uintptr_t slot, request, state;
+    int r;
+    if (!PyArg_ParseTuple(args, "OOK", &index_obj, &inputs, &seq) ||
+        port_index(self, index_obj, &index) < 0)
+        return NULL;
+    c = &self->send[index];
+    if (!c->names || !PyDict_CheckExact(inputs) || PyDict_Size(inputs) != c->count)
+        Py_RETURN_NONE;
+    /* Only exact str keys and exact ndarrays: no Python code runs while the dict is
+     * walked (the comparisons are str's and numpy's own). */
+    while (PyDict_Next(inputs, &pos, &key, &value)) {
+        if (i >= c->count || !PyUnicode_CheckExact(key) ||
+            Py_TYPE(value) != (PyTypeObject *)self->ndarray)
+            Py_RETURN_NONE;
+        r = same(key, PyTuple_GetItem(c->names, i));
+        if (r <= 0)
+            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+        attr = PyObject_GetAttr(value, str_dtype);
+        if (!attr)
+            return NULL;
+        r = same(attr, PyTuple_GetItem(c->dtypes, i));
+        Py_DECREF(attr);
+        if (r <= 0)
+            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+        attr = PyObject_GetAttr(value, str_shape);
+        if (!attr)
+            return NULL;
+        r = same(attr, PyTuple_GetItem(c->shapes, i));
+        Py_DECREF(attr);
+        if (r <= 0)
+            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+        values[i++] = value;
+    }
+    if (i != c->count)
+        Py_RETURN_NONE;
+    n = i;
+    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
+    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
+    state = self->base + self->states_off + 4u * (uintptr_t)index;
+    __atomic_store_n((uint32_t *)state, ST_WRITING, __ATOMIC_RELAXED);
+    memcpy((void *)request, c->header_data, (size_t)c->header_len);
+    for (i = 0; i < n; i++)
+        Py_INCREF(values[i]);
+    r = 0;
+    for (i = 0; i < n && r == 0; i++) {
+        PyObject *dest = PyTuple_GetItem(c->dests, i);
+        if (dest != Py_None)
+            r = PyObject_SetItem(dest, Py_Ellipsis, values[i]);
+    }
+    for (i = 0; i < n; i++)
+        Py_DECREF(values[i]);
+    if (r < 0)
+        return NULL; /* the caller frees the slot, as after a failed encode */
+    *(volatile uint32_t *)(slot + S_REQUEST_LEN) = (uint32_t)c->total;
+    *(volatile uint64_t *)(slot + S_SEQ) = (uint64_t)seq;
+    *(volatile uint64_t *)(slot + S_ENQUEUE_NS) = monotonic_ns();
+    __atomic_store_n((uint32_t *)state, ST_READY, __ATOMIC_RELEASE);
+    doorbell(self->base);
+    return PyLong_FromUnsignedLongLong((unsigned long long)c->total);
+}
+
+/* recv(index, seq, spin_ns) -> the decoder's views (a dict: the answer to this request, of
+ * the learned layout) or the state word read last (an int: the Python client decides).
+ * Spins (GIL released) at most spin_ns while the slot is READY or PROCESSING. */
+static PyObject *port_recv(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *index_obj;
+    unsigned long long seq;
+    long long spin_ns;
+    uint32_t index, state;
+    uint64_t answered, length;
+    uintptr_t slot, response, addr;
+    struct recv_cache *c;
+    if (!PyArg_ParseTuple(args, "OKL", &index_obj, &seq, &spin_ns) ||
+        port_index(self, index_obj, &index) < 0)
+        return NULL;
+    addr = self->base + self->states_off + 4u * (uintptr_t)index;
+    state = load32(addr);
+    if ((state == ST_READY || state == ST_PROCESSING) && spin_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t until = monotonic_ns() + (uint64_t)spin_ns;
+        unsigned k = 0;
+        for (;;) {
+            state = load32(addr);
+            if (state != ST_READY && state != ST_PROCESSING)
+                break;
+            cpu_relax();
+            if (!(++k & 31) && monotonic_ns() >= until)
+                break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    c = &self->recv[index];
+    if (state != ST_DONE || !c->views)
+        return PyLong_FromUnsignedLong(state);
+    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
+    response = self->base + self->responses_off + (uintptr_t)index * self->response_bytes;
+    length = *(volatile uint32_t *)(slot + S_RESPONSE_LEN);
+    answered = *(volatile uint64_t *)(slot + S_RESPONSE_SEQ);
+    if (answered != (uint64_t)seq || length < c->min_len || length > self->response_bytes ||
+        memcmp((const void *)response, c->prefix_data, (size_t)c->prefix_len) != 0)
+        return PyLong_FromUnsignedLong(state);
+    Py_INCREF(c->views);
+    return c->views;
+}
+
+static PyMethodDef port_methods[] = {
+    {"learn_send", port_learn_send, METH_VARARGS,
+     "learn_send(index, names, dtypes, shapes, dests, header, total)"},
+    {"learn_recv", port_learn_recv, METH_VARARGS, "learn_recv(index, prefix, min_len, views)"},
+    {"forget", port_forget, METH_O, "forget(index)"},
+    {"send", port_send, METH_VARARGS, "send(index, inputs, seq) -> length or None"},
+    {"recv", port_recv, METH_VARARGS, "recv(index, seq, spin_ns) -> views or state"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot port_slots[] = {
+    {Py_tp_dealloc, (void *)port_dealloc},
+    {Py_tp_methods, port_methods},
+    {Py_tp_doc, (void *)"the client's send and receive steps (see shminfer.client)"},
+    {0, NULL},
+};
+
+static PyType_Spec port_spec = {
+    "shminfer._fast.Port", sizeof(Port), 0, Py_TPFLAGS_DEFAULT, port_slots,
+};
+
 static PyMethodDef methods[] = {
     {"fence", fast_fence, METH_NOARGS, "full memory fence"},
     {"futex_wait", fast_futex_wait, METH_VARARGS, "futex_wait(addr, expected, timeout_s)"},
@@ -711,6 +1112,8 @@ static PyMethodDef methods[] = {
     {"spin_state", fast_spin_state, METH_VARARGS, "spin_state(state_addr, spin_ns) -> state"},
     {"spin_ready", fast_spin_ready, METH_VARARGS, "spin_ready(states, count, spin_ns)"},
     {"answer", fast_answer, METH_VARARGS, "answer(state_addr, slot_addr, state)"},
+    {"port", fast_port, METH_VARARGS,
+     "port(keep, base, map_len, geometry, offsets, ndarray)"},
     {"loop", fast_loop, METH_VARARGS,
      "loop(keep, base, map_len, geometry, offsets, claims, status, slow_wall_ns, slow_cpu_ns, "
      "one_at_a_time=False)"},
@@ -730,12 +1133,27 @@ PyMODINIT_FUNC PyInit__fast(void)
         if (!loop_type)
             return NULL;
     }
+    if (!port_type) {
+        port_type = PyType_FromSpec(&port_spec);
+        if (!port_type)
+            return NULL;
+    }
+    if (!str_dtype && !(str_dtype = PyUnicode_InternFromString("dtype")))
+        return NULL;
+    if (!str_shape && !(str_shape = PyUnicode_InternFromString("shape")))
+        return NULL;
     m = PyModule_Create(&module);
     if (!m)
         return NULL;
     Py_INCREF(loop_type);
     if (PyModule_AddObject(m, "Loop", loop_type) < 0) {
         Py_DECREF(loop_type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(port_type);
+    if (PyModule_AddObject(m, "Port", port_type) < 0) {
+        Py_DECREF(port_type);
         Py_DECREF(m);
         return NULL;
     }

@@ -91,6 +91,30 @@ class _Lane:
         }
         self.encoder = Encoder()
         self.decoder = Decoder()
+        self.port = _port(segment)
+
+    def teach_send(self, slot):
+        """Give the C port the layout the encoder just wrote to ``slot``."""
+        cached = self.encoder.cached(self.requests[slot], slot)
+        if cached is None:
+            self.port.forget(slot)
+            return
+        spec, header, total, dests = cached
+        self.port.learn_send(
+            slot,
+            tuple(name for name, _, _ in spec),
+            tuple(dtype for _, dtype, _ in spec),
+            tuple(shape for _, _, shape in spec),
+            tuple(dests),
+            header,
+            total,
+        )
+
+    def teach_recv(self, slot):
+        """Give the C port the response layout the decoder just validated for ``slot``."""
+        cached = self.decoder.cached(self.responses[slot], slot)
+        if cached is not None:
+            self.port.learn_recv(slot, cached[0], cached[1], cached[2])
 
     def reclaim(self):
         states = self.seg.state_words
@@ -103,6 +127,28 @@ class _Lane:
             else:
                 keep.append(index)
         self.abandoned = keep
+
+
+def _port(segment):
+    """The C send/receive steps for this segment (shminfer._fast.port), where built."""
+    fast = _sys.FAST
+    if fast is None or not hasattr(fast, "port"):
+        return None
+    # An export of the mapping: it stays mapped while the port may write or read it.
+    return fast.port(
+        (memoryview(segment.mm),),
+        _sys.address_of(segment.mm),
+        len(segment.mm),
+        segment.geometry,
+        (
+            segment.states_off,
+            segment.table_off,
+            segment.requests_off,
+            segment.responses_off,
+            segment.ring_off,
+        ),
+        np.ndarray,
+    )
 
 
 class ServerStopped(InferenceError):
@@ -286,6 +332,21 @@ class Client:
         words = seg.state_words
         slot = lane.free.pop()
         request, _response, generation, slot_addr, state_addr = lane.hot[slot]
+        # The request tag: the slot's lease generation and a per-client counter. The worker
+        # echoes it with the answer; an answer under another tag is someone else's.
+        seq = generation | (next(self._seq) & 0xFFFFFFFF)
+        fast = _sys.FAST
+        port = lane.port if fast is not None else None
+        if port is not None:
+            # The layout this slot had last: reuse test, copies and publish in one C call.
+            try:
+                sent = port.send(slot, inputs, seq)
+            except BaseException:
+                words[slot] = FREE
+                lane.free.append(slot)
+                raise
+            if sent is not None:
+                return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
@@ -300,10 +361,8 @@ class Client:
             words[slot] = FREE
             lane.free.append(slot)
             raise
-        # The request tag: the slot's lease generation and a per-client counter. The worker
-        # echoes it with the answer; an answer under another tag is someone else's.
-        seq = generation | (next(self._seq) & 0xFFFFFFFF)
-        fast = _sys.FAST
+        if port is not None:
+            lane.teach_send(slot)  # the next request of this layout goes through port.send
         if fast is not None:
             # request_len, seq, enqueue_ns, READY, doorbell: the same stores, in C.
             fast.publish(slot_addr, state_addr, seg.header_addr, length, seq)
@@ -316,7 +375,9 @@ class Client:
         seg.ring_doorbell()
         return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
 
-    def _wait(self, lane, slot, deadline):
+    def _wait(self, lane, slot, deadline, spin=True):
+        """The slot's state once it is not in flight, None on timeout or _GONE. ``spin``:
+        False when the caller spun already (Port.recv)."""
         states = lane.seg.state_words
         if self.wait_mode == "sleep":
             while states[slot] in _IN_FLIGHT:
@@ -328,7 +389,9 @@ class Client:
         if state not in _IN_FLIGHT:
             return state
         addr = lane.seg.state_addr(slot)
-        if _sys.FAST is not None:
+        if not spin:
+            pass
+        elif _sys.FAST is not None:
             state = _sys.FAST.spin_state(addr, self.spin_ns)
             if state not in _IN_FLIGHT:
                 return state
@@ -370,8 +433,21 @@ class Client:
             )
         seg = lane.seg
         slot = pending.slot
+        spin = True
+        port = lane.port if _sys.FAST is not None and self.wait_mode != "sleep" else None
+        if port is not None:
+            # Spin, state, tag and the decoder's reuse test in one C call: the views of an
+            # answer to this request of the layout validated last, or the state read last.
+            answer = port.recv(slot, pending.seq, self.spin_ns)
+            if type(answer) is dict:
+                if copy:
+                    answer = {name: np.array(value) for name, value in answer.items()}
+                seg.state_words[slot] = FREE
+                lane.free.append(slot)
+                return answer
+            spin = False
         deadline = pending.deadline if timeout is None else time.monotonic() + timeout
-        state = self._wait(lane, slot, deadline)
+        state = self._wait(lane, slot, deadline, spin)
         if state is _GONE or (state is None and self._server_gone()):
             self._stale = True
             raise ServerStopped(
@@ -414,6 +490,8 @@ class Client:
             seg.state_words[slot] = FREE
             lane.free.append(slot)
             raise InferenceError(f"request {pending.seq:#x}: undecodable response: {exc}") from None
+        if port is not None:
+            lane.teach_recv(slot)  # the next answer of this layout goes through port.recv
         if copy:
             outputs = {name: np.array(value) for name, value in outputs.items()}
         seg.state_words[slot] = FREE

@@ -143,6 +143,16 @@ class Encoder:
         buf[: len(header)] = header
         return last[3]
 
+    def cached(self, buf: memoryview, slot):
+        """(((name, dtype, shape), ...), header, payload length, dests) of the layout last
+        written to ``slot`` (into ``buf``): what the next :meth:`encode_into` of arrays of
+        those names, dtypes and shapes writes (dests: its arrays in ``buf``, None where an
+        array is empty); None if nothing is cached."""
+        last = self._last.get(slot)
+        if last is None or last[0] is not buf:
+            return None
+        return last[1], last[2], last[3], last[4]
+
     def in_place_header(self, buf: memoryview, slot):
         """(header, payload length) of the layout :meth:`out_views` describes for ``slot``."""
         last = self._last.get(slot)

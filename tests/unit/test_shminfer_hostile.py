@@ -308,6 +308,64 @@ def test_a_request_rewritten_after_its_layout_was_learned_is_checked_again():
         assert server.restarts[server.cpus[0]] == 0
 
 
+def test_a_response_rewritten_after_its_layout_was_learned_is_checked_again():
+    # The client reuses a slot's decoded response views (in C where it is built: Port.recv)
+    # only for DONE under the request's own tag, with the length word and descriptor bytes
+    # the decoder validated and a length inside the slot: a forged answer that differs in
+    # any of them is read afresh and refused, and the client keeps working.
+    with serving(slots=2) as server, Client(server.name, slots_per_worker=1) as client:
+        client.wait_ready(60)
+        lane = client.lanes[0]
+        seg = lane.seg
+        (slot,) = lane.leased
+        for value in range(5):
+            assert np.all(client.infer(_x(float(value)), timeout=20)["y"] == value)
+        length = seg.slot_get(slot, "response_len")
+        good = bytes(lane.responses[slot][:length])
+        counter = iter(range(0xFFFF0000, 0xFFFFFFFF))
+
+        def answered(payload, length, state=DONE, tag=None):
+            lane.free.remove(slot)
+            seq = (lane.generation[slot] << 32) | next(counter)
+            lane.responses[slot][: len(payload)] = payload
+            seg.slot_set(slot, "response_len", length)
+            seg.slot_set(slot, "response_seq", seq if tag is None else tag)
+            seg.state_words[slot] = state
+            return client.finish(Pending(0, slot, seq, time.monotonic() + 5, lane), copy=True)
+
+        def rewritten(offset, raw):
+            return good[:offset] + raw + good[offset + len(raw) :]
+
+        header_len = struct.unpack_from("<I", good)[0]
+        dims_at = 4 + 2 + 2 + 4 + 1  # u32 length, count, "y", "<f4", ndim
+        refused = {
+            "too short": (good, length - 1, "undecodable"),
+            "past the slot": (good, 2**32 - 1, "undecodable"),
+            "a dimension": (rewritten(dims_at + 8, struct.pack("<Q", 2**20)), length, "undec"),
+            "the descriptor length": (
+                rewritten(0, struct.pack("<I", header_len + 1)),
+                length,
+                "undecodable",
+            ),
+            "the dtype": (rewritten(dims_at - 4, b"|O8"), length, "undecodable"),
+        }
+        for what, (payload, size, message) in refused.items():
+            with pytest.raises(InferenceError, match=message):
+                answered(payload, size)
+                pytest.fail(f"a response with {what} rewritten was accepted")
+            assert np.all(client.infer(_x(7.0), timeout=20)["y"] == 7.0), what
+        with pytest.raises(InferenceError, match="another request"):
+            answered(good, length, tag=0x1234)
+        with pytest.raises(InferenceError, match="state word"):
+            answered(good, length, state=0x4D)
+        assert np.all(client.infer(_x(8.0), timeout=20)["y"] == 8.0)
+        # The same descriptor over new data: the data is the answer, returned as such.
+        data_at = (4 + header_len + 63) // 64 * 64  # the one array's data, 64-byte aligned
+        fresh = good[:data_at] + np.full((length - data_at) // 4, 9.0, np.float32).tobytes()
+        assert np.all(answered(fresh, length)["y"] == 9.0)
+        assert np.all(client.infer(_x(10.0), timeout=20)["y"] == 10.0)
+
+
 def test_garbage_state_words_and_error_text_are_refused_not_accepted():
     with serving(backend="sleep", model="150", slots=4) as server, Client(server.name) as client:
         client.wait_ready(60)

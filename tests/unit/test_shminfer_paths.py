@@ -97,3 +97,53 @@ def test_the_c_loop_refuses_a_geometry_outside_its_mapping_and_slots_outside_it(
         del good
     finally:
         seg.close()
+
+
+def test_the_c_port_refuses_a_geometry_outside_its_mapping_and_layouts_outside_a_slot():
+    fast = pytest.importorskip("shminfer._fast")
+    seg = Segment.create(f"port{os.getpid()}", slot_count=4, request_bytes=4096)
+    try:
+        offsets = (seg.states_off, seg.table_off, seg.requests_off, seg.responses_off, seg.ring_off)
+
+        def port(map_len, geometry=seg.geometry, at=offsets):
+            keep = (memoryview(seg.mm),)
+            return fast.port(keep, _sys.address_of(seg.mm), map_len, geometry, at, np.ndarray)
+
+        for map_len, geometry, at in (
+            (len(seg.mm) - 4096, seg.geometry, offsets),  # the ring past the end
+            (len(seg.mm), (5, *seg.geometry[1:]), offsets),  # a slot more: regions overlap
+            (len(seg.mm), (4, 2**62, *seg.geometry[2:]), offsets),  # sizes that overflow
+            (len(seg.mm), seg.geometry, (0, *offsets[1:])),  # states over the header
+        ):
+            with pytest.raises(ValueError, match="outside the mapping"):
+                port(map_len, geometry, at)
+        good = port(len(seg.mm))
+        dest = np.zeros(4, np.float32)
+        layout = (("x",), (dest.dtype,), (dest.shape,), (dest,))
+        with pytest.raises(IndexError):
+            good.learn_send(4, *layout, b"\0" * 8, 128)
+        with pytest.raises(IndexError):
+            good.recv(4, 1, 0)
+        with pytest.raises(ValueError, match="outside the slot"):
+            good.learn_send(0, *layout, b"\0" * 8, 4097)  # longer than a request slot
+        with pytest.raises(ValueError, match="outside the slot"):
+            good.learn_recv(0, b"\0" * 8, seg.response_bytes + 64, {})
+        with pytest.raises(TypeError, match="bad layout"):
+            good.learn_send(
+                0, ("x",), (dest.dtype,), (dest.shape,), (bytearray(16),), b"\0" * 8, 128
+            )
+        good.learn_send(0, *layout, b"\0" * 8, 128)
+        # Not the learned layout (another dtype, shape, name or a list): nothing written.
+        for inputs in (
+            {"x": dest.astype(np.float64)},
+            {"x": np.zeros(5, np.float32)},
+            {"z": dest},
+            {"x": [0.0] * 4},
+            {"x": dest, "y": dest},
+        ):
+            assert good.send(0, inputs, 7) is None
+            assert seg.state_words[0] == 0
+        assert good.recv(0, 7, 0) == 0  # FREE: the state, for the Python client to judge
+        del good
+    finally:
+        seg.close()
