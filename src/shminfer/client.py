@@ -308,33 +308,42 @@ class Client:
 
     # ------------------------------------------------------------ requests
 
-    def start(self, inputs: dict, timeout: float | None = None) -> Pending:
-        timeout = self.timeout if timeout is None else timeout
-        if (
-            self._stale
-            or not self.lanes
-            or (self.lanes[0].seg.head32[H32_WORKER_STATE] != WORKER_READY and self._server_gone())
-        ):
-            self._reattach()
-        lane_index = None
-        for _ in range(len(self.lanes)):
+    def _lane_with_a_free_slot(self, tried):
+        """Index of the next lane (round robin, after ``tried``) with a free slot, reclaiming
+        abandoned slots of a lane that has none."""
+        lanes = self.lanes
+        lane = lanes[tried]
+        if lane.abandoned:
+            lane.reclaim()
+            if lane.free:
+                return tried
+        for _ in range(len(lanes) - 1):
             candidate = next(self._rr)
-            lane = self.lanes[candidate]
+            lane = lanes[candidate]
             if not lane.free and lane.abandoned:
                 lane.reclaim()
             if lane.free:
-                lane_index = candidate
-                break
-        if lane_index is None:
-            raise QueueError("no free slot: every leased slot has a request in flight")
-        lane = self.lanes[lane_index]
-        seg = lane.seg
-        words = seg.state_words
+                return candidate
+        raise QueueError("no free slot: every leased slot has a request in flight")
+
+    def start(self, inputs: dict, timeout: float | None = None) -> Pending:
+        lanes = self.lanes
+        if (
+            self._stale
+            or not lanes
+            or (lanes[0].seg.head32[H32_WORKER_STATE] != WORKER_READY and self._server_gone())
+        ):
+            self._reattach()
+            lanes = self.lanes
+        lane_index = next(self._rr)
+        lane = lanes[lane_index]
+        if not lane.free:
+            lane_index = self._lane_with_a_free_slot(lane_index)
+            lane = lanes[lane_index]
         slot = lane.free.pop()
-        request, _response, generation, slot_addr, state_addr = lane.hot[slot]
         # The request tag: the slot's lease generation and a per-client counter. The worker
         # echoes it with the answer; an answer under another tag is someone else's.
-        seq = generation | (next(self._seq) & 0xFFFFFFFF)
+        seq = lane.generation[slot] << 32 | (next(self._seq) & 0xFFFFFFFF)
         fast = _sys.FAST
         port = lane.port if fast is not None else None
         if port is not None:
@@ -342,11 +351,16 @@ class Client:
             try:
                 sent = port.send(slot, inputs, seq)
             except BaseException:
-                words[slot] = FREE
+                lane.seg.state_words[slot] = FREE
                 lane.free.append(slot)
                 raise
             if sent is not None:
-                return Pending(lane_index, slot, seq, time.monotonic() + timeout, lane)
+                deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+                return Pending(lane_index, slot, seq, deadline, lane)
+        timeout = self.timeout if timeout is None else timeout
+        seg = lane.seg
+        words = seg.state_words
+        request, _response, _generation, slot_addr, state_addr = lane.hot[slot]
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
