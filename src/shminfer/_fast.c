@@ -731,6 +731,7 @@ struct send_cache {
     const char *header_data;
     Py_ssize_t header_len;
     uint64_t total;
+    uint64_t *spans; /* per array: offset in the request slot, bytes (0: an empty array) */
 };
 
 struct recv_cache {
@@ -756,7 +757,49 @@ typedef struct {
 #define MAX_PORT_ARRAYS 64
 
 static PyObject *port_type;
-static PyObject *str_dtype, *str_shape;
+static PyObject *str_dtype, *str_shape, *str_array_struct;
+
+/* numpy's array interface, C side (the __array_struct__ capsule's pointer; documented by
+ * numpy as a stable protocol): how an input's memory is reached without the buffer API,
+ * which the stable ABI has only from 3.11. */
+typedef struct {
+    int two; /* 2: the protocol's own check */
+    int nd;
+    char typekind;
+    int itemsize;
+    int flags;
+    Py_intptr_t *shape;
+    Py_intptr_t *strides;
+    void *data;
+    PyObject *descr;
+} array_interface;
+#define AI_C_CONTIGUOUS 0x1
+
+/* The address and byte length of an ndarray's memory when it is one C-contiguous block
+ * (1), not (0: copy it with numpy), or -1 on error. ``capsule`` holds it alive with the
+ * address; the caller drops it. */
+static int array_span(PyObject *array, PyObject **capsule, uintptr_t *addr, uint64_t *len)
+{
+    array_interface *ai;
+    uint64_t n;
+    int i;
+    *capsule = PyObject_GetAttr(array, str_array_struct);
+    if (!*capsule)
+        return -1;
+    ai = PyCapsule_IsValid(*capsule, NULL) ? PyCapsule_GetPointer(*capsule, NULL) : NULL;
+    if (!ai || ai->two != 2 || !(ai->flags & AI_C_CONTIGUOUS) || ai->nd < 0 || ai->nd > 64 ||
+        ai->itemsize <= 0 || !ai->data)
+        return 0;
+    n = (uint64_t)ai->itemsize;
+    for (i = 0; i < ai->nd; i++) {
+        if (ai->shape[i] < 0 || (ai->shape[i] && n > UINT64_MAX / (uint64_t)ai->shape[i]))
+            return 0;
+        n *= (uint64_t)ai->shape[i];
+    }
+    *addr = (uintptr_t)ai->data;
+    *len = n;
+    return 1;
+}
 
 static void send_clear(struct send_cache *c)
 {
@@ -765,6 +808,8 @@ static void send_clear(struct send_cache *c)
     Py_CLEAR(c->shapes);
     Py_CLEAR(c->dests);
     Py_CLEAR(c->header);
+    PyMem_Free(c->spans);
+    c->spans = NULL;
     c->header_data = NULL;
     c->header_len = 0;
     c->count = 0;
@@ -874,6 +919,8 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
     char *hdata;
     Py_ssize_t hlen, count, i;
     struct send_cache *c;
+    uint64_t *spans;
+    uintptr_t request;
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!K", &index_obj, &PyTuple_Type, &names, &PyTuple_Type,
                           &dtypes, &PyTuple_Type, &shapes, &PyTuple_Type, &dests, &PyBytes_Type,
                           &header, &total) ||
@@ -887,16 +934,38 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "shminfer._fast.Port.learn_send: layout outside the slot");
         return NULL;
     }
+    spans = PyMem_Calloc((size_t)(count ? count : 1), 2 * sizeof(uint64_t));
+    if (!spans)
+        return PyErr_NoMemory();
+    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
     for (i = 0; i < count; i++) {
-        PyObject *dest = PyTuple_GetItem(dests, i);
-        if (!PyUnicode_CheckExact(PyTuple_GetItem(names, i)) ||
-            (dest != Py_None && Py_TYPE(dest) != (PyTypeObject *)self->ndarray)) {
+        PyObject *dest = PyTuple_GetItem(dests, i), *capsule = NULL;
+        uintptr_t addr = 0;
+        uint64_t len = 0;
+        int r = 0;
+        if (PyUnicode_CheckExact(PyTuple_GetItem(names, i)) &&
+            (dest == Py_None || Py_TYPE(dest) == (PyTypeObject *)self->ndarray)) {
+            r = dest == Py_None ? 1 : array_span(dest, &capsule, &addr, &len);
+            Py_XDECREF(capsule);
+        }
+        if (r < 0) {
+            PyMem_Free(spans);
+            return NULL;
+        }
+        /* Every destination one block inside this request slot, after the header. */
+        if (!r || (dest != Py_None && (addr < request + (uint64_t)hlen ||
+                                        addr - request > self->request_bytes ||
+                                        len > self->request_bytes - (addr - request)))) {
+            PyMem_Free(spans);
             PyErr_SetString(PyExc_TypeError, "shminfer._fast.Port.learn_send: bad layout");
             return NULL;
         }
+        spans[2 * i] = dest == Py_None ? 0 : (uint64_t)(addr - request);
+        spans[2 * i + 1] = len;
     }
     c = &self->send[index];
     send_clear(c);
+    c->spans = spans;
     Py_INCREF(names);
     Py_INCREF(dtypes);
     Py_INCREF(shapes);
@@ -1020,9 +1089,22 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
         Py_INCREF(values[i]);
     r = 0;
     for (i = 0; i < n && r == 0; i++) {
-        PyObject *dest = PyTuple_GetItem(c->dests, i);
-        if (dest != Py_None)
-            r = PyObject_SetItem(dest, Py_Ellipsis, values[i]);
+        PyObject *capsule = NULL;
+        uintptr_t addr;
+        uint64_t len;
+        if (!c->spans[2 * i + 1])
+            continue; /* an empty array: nothing to copy */
+        /* One block of exactly the learned length (the same dtype and shape, checked
+         * above): a memcpy into the learned span of this slot. Anything else (a strided
+         * view, a broken capsule): numpy's own assignment into the learned view. */
+        r = array_span(values[i], &capsule, &addr, &len);
+        if (r == 1 && len == c->spans[2 * i + 1]) {
+            memcpy((void *)(request + c->spans[2 * i]), (const void *)addr, (size_t)len);
+            r = 0;
+        } else if (r >= 0) {
+            r = PyObject_SetItem(PyTuple_GetItem(c->dests, i), Py_Ellipsis, values[i]);
+        }
+        Py_XDECREF(capsule);
     }
     for (i = 0; i < n; i++)
         Py_DECREF(values[i]);
@@ -1141,6 +1223,8 @@ PyMODINIT_FUNC PyInit__fast(void)
     if (!str_dtype && !(str_dtype = PyUnicode_InternFromString("dtype")))
         return NULL;
     if (!str_shape && !(str_shape = PyUnicode_InternFromString("shape")))
+        return NULL;
+    if (!str_array_struct && !(str_array_struct = PyUnicode_InternFromString("__array_struct__")))
         return NULL;
     m = PyModule_Create(&module);
     if (!m)

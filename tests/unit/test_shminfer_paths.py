@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from shminfer import _sys
+from shminfer.codec import Encoder
 from shminfer.queue import Segment
 
 
@@ -118,8 +119,13 @@ def test_the_c_port_refuses_a_geometry_outside_its_mapping_and_layouts_outside_a
             with pytest.raises(ValueError, match="outside the mapping"):
                 port(map_len, geometry, at)
         good = port(len(seg.mm))
-        dest = np.zeros(4, np.float32)
+        dest = np.ndarray((4,), np.float32, buffer=seg.request_view(0), offset=64)
         layout = (("x",), (dest.dtype,), (dest.shape,), (dest,))
+        elsewhere = np.zeros(4, np.float32)  # not in the request slot: refused
+        with pytest.raises(TypeError, match="bad layout"):
+            good.learn_send(0, *layout[:3], (elsewhere,), b"\0" * 8, 128)
+        with pytest.raises(TypeError, match="bad layout"):  # over the slot's header
+            good.learn_send(0, *layout, b"\0" * 72, 128)
         with pytest.raises(IndexError):
             good.learn_send(4, *layout, b"\0" * 8, 128)
         with pytest.raises(IndexError):
@@ -144,6 +150,27 @@ def test_the_c_port_refuses_a_geometry_outside_its_mapping_and_layouts_outside_a
             assert good.send(0, inputs, 7) is None
             assert seg.state_words[0] == 0
         assert good.recv(0, 7, 0) == 0  # FREE: the state, for the Python client to judge
+        # What send writes is what the Python encoder writes, for contiguous inputs (a
+        # memcpy) and strided ones (numpy's assignment), and the publish's fields.
+        encoder = Encoder()
+        request = seg.request_view(1)
+        first = {"a": np.arange(6, dtype="<i8").reshape(2, 3), "b": np.ones(5, np.float32)}
+        encoder.encode_into(request, first, slot=1)
+        spec, header, total, dests = encoder.cached(request, 1)
+        good.learn_send(1, *(tuple(column) for column in zip(*spec)), tuple(dests), header, total)
+        wide = np.arange(12, dtype="<i8").reshape(2, 6) * 7
+        for inputs in (
+            {"a": np.arange(6, dtype="<i8").reshape(2, 3) + 40, "b": np.full(5, 3.5, np.float32)},
+            {"a": wide[:, ::2], "b": np.arange(10, dtype=np.float32)[::2]},
+        ):
+            assert good.send(1, inputs, 0xABC) == total
+            expected = bytearray(len(request))
+            Encoder().encode_into(memoryview(expected), inputs)
+            assert bytes(request[:total]) == bytes(expected[:total])
+            assert seg.state_words[1] == 2  # READY
+            assert seg.slot_get(1, "request_len") == total
+            assert seg.slot_get(1, "seq") == 0xABC
+            seg.state_words[1] = 0
         del good
     finally:
         seg.close()
