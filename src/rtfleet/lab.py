@@ -138,7 +138,6 @@ class Topology:
     numa: tuple[tuple[tuple[int, ...], int], ...]  # (cpus, memory_mib) per node
     smbios: tuple[dict[str, Any], ...]
     expect: dict[str, Any]
-    tcg_threads: str = "multi"  # QEMU's TCG: one thread per vCPU, or all vCPUs on one
 
     @property
     def cpus(self) -> int:
@@ -197,9 +196,6 @@ def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topo
     for entry in smbios:
         if "type" not in entry:
             raise LabError(f"{source}: every smbios entry needs a type")
-    tcg_threads = data.get("tcg_threads", "multi")
-    if tcg_threads not in ("multi", "single"):
-        raise LabError(f"{source}: 'tcg_threads' must be multi or single, not {tcg_threads!r}")
     return Topology(
         name=need("name", str),
         description=str(data.get("description", "")).strip(),
@@ -213,7 +209,6 @@ def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topo
         numa=tuple(nodes),
         smbios=smbios,
         expect=dict(data.get("expect") or {}),
-        tcg_threads=tcg_threads,
     )
 
 
@@ -491,7 +486,7 @@ def qemu_argv(
     accel: str = "tcg",
 ) -> list[str]:
     """The full QEMU command line for one lab host (daemonised, pidfile, loopback ssh)."""
-    accel_opt = f"tcg,thread={topo.tcg_threads}" if accel == "tcg" else accel
+    accel_opt = "tcg,thread=multi" if accel == "tcg" else accel
     overlay = overlay_path(state, host.name)
     return [
         QEMU_BINARY,

@@ -156,25 +156,6 @@ def test_qemu_argv_is_loopback_daemonised_and_pidfiled(tmp_path):
     assert str(lab.overlay_path(tmp_path, "h1")) in joined
 
 
-def test_server_host_runs_all_vcpus_on_one_tcg_thread(tmp_path):
-    # Multi-threaded TCG (QEMU 7.2) let vCPUs of the 48-vCPU guest keep executing a stale
-    # translation of kernel text the RT kernel had patched (docs/runs.md): the lab's
-    # server host asks for one TCG thread, the small hosts keep one thread per vCPU.
-    key = tmp_path / "ssh" / "id_ed25519"
-    host = lab.Host(name="s1", topology="server-nps2", port=40023)
-    argv = lab.qemu_argv(tmp_path, host, lab.load_topology(REPO, "server-nps2"), key)
-    assert argv[argv.index("-accel") + 1] == "tcg,thread=single"
-    kvm = lab.qemu_argv(tmp_path, host, lab.load_topology(REPO, "server-nps2"), key, accel="kvm")
-    assert kvm[kvm.index("-accel") + 1] == "kvm"
-
-
-def test_topology_tcg_threads_must_be_multi_or_single():
-    data = yaml.safe_load((REPO / "lab/topologies/epyc-2ccx.yml").read_text())
-    data["tcg_threads"] = "many"
-    with pytest.raises(lab.LabError, match="'tcg_threads' must be multi or single, not 'many'"):
-        lab.topology_from_dict(data, source="t.yml")
-
-
 # ----------------------------------------------------------------------------- inventory
 
 
