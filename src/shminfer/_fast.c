@@ -442,13 +442,14 @@ static PyObject *fast_loop(PyObject *module, PyObject *args)
     return (PyObject *)self;
 }
 
-static int get_index(Loop *self, PyObject *obj, uint32_t *out)
+/* A slot index from Python, checked against the slot count the object was built with. */
+static int slot_index(PyObject *obj, uint32_t slot_count, const char *what, uint32_t *out)
 {
     unsigned long v = PyLong_AsUnsignedLong(obj);
     if (v == (unsigned long)-1 && PyErr_Occurred())
         return -1;
-    if (v >= self->slot_count) {
-        PyErr_SetString(PyExc_IndexError, "shminfer._fast.Loop: slot index out of range");
+    if (v >= slot_count) {
+        PyErr_Format(PyExc_IndexError, "shminfer._fast.%s: slot index out of range", what);
         return -1;
     }
     *out = (uint32_t)v;
@@ -470,7 +471,7 @@ static PyObject *loop_learn(PyObject *obj, PyObject *args)
     struct slot_cache *c;
     if (!PyArg_ParseTuple(args, "OO!KO!kOO!K", &index_obj, &PyBytes_Type, &prefix, &min_len,
                           &PyDict_Type, &inputs, &rows, &out, &PyBytes_Type, &header, &total) ||
-        get_index(self, index_obj, &index) < 0)
+        slot_index(index_obj, self->slot_count, "Loop", &index) < 0)
         return NULL;
     if (PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0 ||
         PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
@@ -511,7 +512,7 @@ static PyObject *loop_forget(PyObject *obj, PyObject *arg)
 {
     Loop *self = (Loop *)obj;
     uint32_t index;
-    if (get_index(self, arg, &index) < 0)
+    if (slot_index(arg, self->slot_count, "Loop", &index) < 0)
         return NULL;
     cache_clear(&self->cache[index]);
     Py_RETURN_NONE;
@@ -894,19 +895,6 @@ static PyObject *fast_port(PyObject *module, PyObject *args)
     return (PyObject *)self;
 }
 
-static int port_index(Port *self, PyObject *obj, uint32_t *out)
-{
-    unsigned long v = PyLong_AsUnsignedLong(obj);
-    if (v == (unsigned long)-1 && PyErr_Occurred())
-        return -1;
-    if (v >= self->slot_count) {
-        PyErr_SetString(PyExc_IndexError, "shminfer._fast.Port: slot index out of range");
-        return -1;
-    }
-    *out = (uint32_t)v;
-    return 0;
-}
-
 /* learn_send(index, names, dtypes, shapes, dests, header, total): the layout the Python
  * encoder last wrote to this slot (dests: its ndarrays in the request slot, None for an
  * empty array). */
@@ -924,7 +912,7 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!K", &index_obj, &PyTuple_Type, &names, &PyTuple_Type,
                           &dtypes, &PyTuple_Type, &shapes, &PyTuple_Type, &dests, &PyBytes_Type,
                           &header, &total) ||
-        port_index(self, index_obj, &index) < 0 ||
+        slot_index(index_obj, self->slot_count, "Port", &index) < 0 ||
         PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
         return NULL;
     count = PyTuple_Size(names);
@@ -996,7 +984,7 @@ static PyObject *port_learn_recv(PyObject *obj, PyObject *args)
     struct recv_cache *c;
     if (!PyArg_ParseTuple(args, "OO!KO!", &index_obj, &PyBytes_Type, &prefix, &min_len,
                           &PyDict_Type, &views) ||
-        port_index(self, index_obj, &index) < 0 ||
+        slot_index(index_obj, self->slot_count, "Port", &index) < 0 ||
         PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0)
         return NULL;
     if (plen < 6 || (uint64_t)plen > min_len || min_len > self->response_bytes) {
@@ -1019,7 +1007,7 @@ static PyObject *port_forget(PyObject *obj, PyObject *arg)
 {
     Port *self = (Port *)obj;
     uint32_t index;
-    if (port_index(self, arg, &index) < 0)
+    if (slot_index(arg, self->slot_count, "Port", &index) < 0)
         return NULL;
     send_clear(&self->send[index]);
     recv_clear(&self->recv[index]);
@@ -1047,7 +1035,7 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
     uintptr_t slot, request, state;
     int r;
     if (!PyArg_ParseTuple(args, "OOK", &index_obj, &inputs, &seq) ||
-        port_index(self, index_obj, &index) < 0)
+        slot_index(index_obj, self->slot_count, "Port", &index) < 0)
         return NULL;
     c = &self->send[index];
     if (!c->names || !PyDict_CheckExact(inputs) || PyDict_Size(inputs) != c->count)
@@ -1132,7 +1120,7 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     uintptr_t slot, response, addr;
     struct recv_cache *c;
     if (!PyArg_ParseTuple(args, "OKL", &index_obj, &seq, &spin_ns) ||
-        port_index(self, index_obj, &index) < 0)
+        slot_index(index_obj, self->slot_count, "Port", &index) < 0)
         return NULL;
     addr = self->base + self->states_off + 4u * (uintptr_t)index;
     state = load32(addr);
