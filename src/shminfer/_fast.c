@@ -322,14 +322,25 @@ struct slot_cache {
     uint64_t total;
 };
 
+/* A segment's layout as Loop and Port both take it: the mapping (base, map_len), the
+ * geometry tuple (slot_count, request_bytes, response_bytes, ring_records) and the region
+ * offsets (states, slot table, requests, responses, ring). PyArg_ParseTuple fills all but
+ * base from GEOMETRY_FORMAT with GEOMETRY_ARGS(&geo); geometry_check checks it. */
+struct geometry {
+    uintptr_t base;
+    unsigned long long map_len, slot_count, request_bytes, response_bytes, ring_records;
+    unsigned long long states_off, table_off, requests_off, responses_off, ring_off;
+};
+#define GEOMETRY_FORMAT "K(KKKK)(KKKKK)"
+#define GEOMETRY_ARGS(a)                                                                  \
+    &(a)->map_len, &(a)->slot_count, &(a)->request_bytes, &(a)->response_bytes,           \
+        &(a)->ring_records, &(a)->states_off, &(a)->table_off, &(a)->requests_off,        \
+        &(a)->responses_off, &(a)->ring_off
+
 typedef struct {
     PyObject_HEAD
     PyObject *keep;
-    uintptr_t base;
-    uint64_t map_len;
-    uint32_t slot_count;
-    uint64_t states_off, table_off, requests_off, request_bytes, responses_off, response_bytes;
-    uint64_t ring_off, ring_records;
+    struct geometry geo;
     uint32_t *claims;
     int64_t *status;
     double slow_wall_ns, slow_cpu_ns;
@@ -355,6 +366,26 @@ static int region_fits(uint64_t off, uint64_t count, uint64_t size, uint64_t lim
     return 1;
 }
 
+/* 0 where every region of the geometry lies inside its mapping, else -1 with ValueError
+ * "shminfer._fast.<what>: geometry outside the mapping" (also when ``misaligned``: the
+ * caller's own alignment checks failed). */
+static int geometry_check(const struct geometry *g, int misaligned, const char *what)
+{
+    if (misaligned || g->slot_count < 1 || g->slot_count > 65536 || g->ring_records < 1 ||
+        (g->base & 7) || (g->states_off & 3) || (g->table_off & 7) ||
+        /* header page, states, slot table, requests, responses, ring: in this order, none
+         * overlapping the next, the last inside the mapping */
+        g->states_off < 4096 || !region_fits(g->states_off, g->slot_count, 4, g->table_off) ||
+        !region_fits(g->table_off, g->slot_count, SLOT_HEADER, g->requests_off) ||
+        !region_fits(g->requests_off, g->slot_count, g->request_bytes, g->responses_off) ||
+        !region_fits(g->responses_off, g->slot_count, g->response_bytes, g->ring_off) ||
+        !region_fits(g->ring_off, g->ring_records, RING_RECORD, g->map_len)) {
+        PyErr_Format(PyExc_ValueError, "shminfer._fast.%s: geometry outside the mapping", what);
+        return -1;
+    }
+    return 0;
+}
+
 static void cache_clear(struct slot_cache *c)
 {
     Py_CLEAR(c->prefix);
@@ -373,7 +404,7 @@ static void loop_dealloc(PyObject *obj)
     PyTypeObject *type = Py_TYPE(obj);
     uint32_t i;
     if (self->cache) {
-        for (i = 0; i < self->slot_count; i++)
+        for (i = 0; i < self->geo.slot_count; i++)
             cache_clear(&self->cache[i]);
         PyMem_Free(self->cache);
     }
@@ -385,55 +416,34 @@ static void loop_dealloc(PyObject *obj)
 static PyObject *fast_loop(PyObject *module, PyObject *args)
 {
     PyObject *keep, *base_obj, *claims_obj, *status_obj;
-    unsigned long long map_len, slot_count, states_off, table_off, requests_off, request_bytes;
-    unsigned long long responses_off, response_bytes, ring_off, ring_records;
+    struct geometry geo;
     double slow_wall_ns, slow_cpu_ns;
     int one_at_a_time = 0;
-    uintptr_t base, claims, status = 0;
+    uintptr_t claims, status = 0;
     Loop *self;
     (void)module;
-    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)OOdd|p", &PyTuple_Type, &keep, &base_obj,
-                          &map_len, &slot_count, &request_bytes, &response_bytes, &ring_records,
-                          &states_off, &table_off, &requests_off, &responses_off, &ring_off,
-                          &claims_obj, &status_obj, &slow_wall_ns, &slow_cpu_ns, &one_at_a_time))
+    if (!PyArg_ParseTuple(args, "O!O" GEOMETRY_FORMAT "OOdd|p", &PyTuple_Type, &keep, &base_obj,
+                          GEOMETRY_ARGS(&geo), &claims_obj, &status_obj, &slow_wall_ns,
+                          &slow_cpu_ns, &one_at_a_time))
         return NULL;
-    if (get_addr(base_obj, &base) < 0 || get_addr(claims_obj, &claims) < 0)
+    if (get_addr(base_obj, &geo.base) < 0 || get_addr(claims_obj, &claims) < 0)
         return NULL;
     if (status_obj != Py_None && get_addr(status_obj, &status) < 0)
         return NULL;
-    if (slot_count < 1 || slot_count > 65536 || ring_records < 1 || (base & 7) || (status & 7) ||
-        (states_off & 3) || (table_off & 7) || (ring_off & 7) ||
-        /* header page, states, slot table, requests, responses, ring: in this order, none
-         * overlapping the next, the last inside the mapping */
-        states_off < 4096 || !region_fits(states_off, slot_count, 4, table_off) ||
-        !region_fits(table_off, slot_count, SLOT_HEADER, requests_off) ||
-        !region_fits(requests_off, slot_count, request_bytes, responses_off) ||
-        !region_fits(responses_off, slot_count, response_bytes, ring_off) ||
-        !region_fits(ring_off, ring_records, RING_RECORD, map_len)) {
-        PyErr_SetString(PyExc_ValueError, "shminfer._fast.loop: geometry outside the mapping");
+    /* The status word and the ring's records: 8-byte words this loop stores. */
+    if (geometry_check(&geo, (status & 7) || (geo.ring_off & 7), "loop") < 0)
         return NULL;
-    }
     self = (Loop *)PyType_GenericAlloc((PyTypeObject *)loop_type, 0);
     if (!self)
         return NULL;
-    self->cache = PyMem_Calloc((size_t)slot_count, sizeof(struct slot_cache));
+    self->geo = geo;
+    self->cache = PyMem_Calloc((size_t)geo.slot_count, sizeof(struct slot_cache));
     if (!self->cache) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
     Py_INCREF(keep);
     self->keep = keep;
-    self->base = base;
-    self->map_len = map_len;
-    self->slot_count = (uint32_t)slot_count;
-    self->states_off = states_off;
-    self->table_off = table_off;
-    self->requests_off = requests_off;
-    self->request_bytes = request_bytes;
-    self->responses_off = responses_off;
-    self->response_bytes = response_bytes;
-    self->ring_off = ring_off;
-    self->ring_records = ring_records;
     self->claims = (uint32_t *)claims;
     self->status = (int64_t *)status;
     self->slow_wall_ns = slow_wall_ns;
@@ -471,7 +481,7 @@ static PyObject *loop_learn(PyObject *obj, PyObject *args)
     struct slot_cache *c;
     if (!PyArg_ParseTuple(args, "OO!KO!kOO!K", &index_obj, &PyBytes_Type, &prefix, &min_len,
                           &PyDict_Type, &inputs, &rows, &out, &PyBytes_Type, &header, &total) ||
-        slot_index(index_obj, self->slot_count, "Loop", &index) < 0)
+        slot_index(index_obj, self->geo.slot_count, "Loop", &index) < 0)
         return NULL;
     if (PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0 ||
         PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
@@ -480,8 +490,8 @@ static PyObject *loop_learn(PyObject *obj, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "out must be a dict or None");
         return NULL;
     }
-    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->request_bytes ||
-        rows > UINT32_MAX || (uint64_t)hlen > total || total > self->response_bytes ||
+    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->geo.request_bytes ||
+        rows > UINT32_MAX || (uint64_t)hlen > total || total > self->geo.response_bytes ||
         total > UINT32_MAX || (out != Py_None && hlen < 6)) {
         PyErr_SetString(PyExc_ValueError, "shminfer._fast.Loop.learn: sizes outside the slot");
         return NULL;
@@ -512,7 +522,7 @@ static PyObject *loop_forget(PyObject *obj, PyObject *arg)
 {
     Loop *self = (Loop *)obj;
     uint32_t index;
-    if (slot_index(arg, self->slot_count, "Loop", &index) < 0)
+    if (slot_index(arg, self->geo.slot_count, "Loop", &index) < 0)
         return NULL;
     cache_clear(&self->cache[index]);
     Py_RETURN_NONE;
@@ -530,7 +540,8 @@ static PyObject *loop_serve(PyObject *obj, PyObject *args)
     Loop *self = (Loop *)obj;
     PyObject *infer_into;
     long long spin_ns = 0;
-    const volatile uint32_t *states = (const volatile uint32_t *)(self->base + self->states_off);
+    const volatile uint32_t *states =
+        (const volatile uint32_t *)(self->geo.base + self->geo.states_off);
     uint32_t i, index = 0, found = 0;
     uintptr_t slot, request, response;
     uint64_t tag, start_ns, length, cpu0, thread0 = 0, wall0, wall, cpu, thread, done_ns;
@@ -547,10 +558,10 @@ static PyObject *loop_serve(PyObject *obj, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|L", &infer_into, &spin_ns))
         return NULL;
 scan:
-    for (i = 0; i < self->slot_count; i++)
+    for (i = 0; i < self->geo.slot_count; i++)
         if (states[i] == ST_READY) {
             /* A peer's seq only orders the READY slots (ties: the lowest index). */
-            seq = *(volatile uint64_t *)(self->base + self->table_off +
+            seq = *(volatile uint64_t *)(self->geo.base + self->geo.table_off +
                                          (uintptr_t)i * SLOT_HEADER + S_SEQ);
             if (++found > 1 && !self->one_at_a_time)
                 Py_RETURN_FALSE;
@@ -567,7 +578,7 @@ scan:
         unsigned n = 0;
         int ready = 0;
         while (!ready) {
-            for (i = 0; i < self->slot_count; i++)
+            for (i = 0; i < self->geo.slot_count; i++)
                 if (states[i] == ST_READY) {
                     ready = 1;
                     break;
@@ -583,12 +594,13 @@ scan:
     if (!found)
         Py_RETURN_NONE;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
-    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
-    response = self->base + self->responses_off + (uintptr_t)index * self->response_bytes;
+    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
+    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
+    response =
+        self->geo.base + self->geo.responses_off + (uintptr_t)index * self->geo.response_bytes;
     /* The claim, as Worker._claim: recorded before PROCESSING; then the tag, read once. */
     __atomic_store_n(&self->claims[index], 1u, __ATOMIC_RELAXED);
-    __atomic_store_n((uint32_t *)(self->base + self->states_off) + index, ST_PROCESSING,
+    __atomic_store_n((uint32_t *)(self->geo.base + self->geo.states_off) + index, ST_PROCESSING,
                      __ATOMIC_RELEASE);
     tag = *(volatile uint64_t *)(slot + S_SEQ);
     start_ns = monotonic_ns();
@@ -596,7 +608,7 @@ scan:
 
     c = &self->cache[index];
     length = *(volatile uint32_t *)(slot + S_REQUEST_LEN);
-    if (!c->prefix || length < c->min_len || length > self->request_bytes ||
+    if (!c->prefix || length < c->min_len || length > self->geo.request_bytes ||
         memcmp((const void *)request, c->prefix_data, (size_t)c->prefix_len) != 0)
         return Py_BuildValue("(iIKK)", 0, index, (unsigned long long)tag,
                              (unsigned long long)start_ns);
@@ -664,8 +676,9 @@ scan:
     *(volatile uint64_t *)(slot + S_DONE_NS) = done_ns;
     enqueued = *(volatile uint64_t *)(slot + S_ENQUEUE_NS);
     queue_wait = enqueued < start_ns ? start_ns - enqueued : 0;
-    head = *(volatile uint64_t *)(self->base + H_RING_HEAD);
-    record = (uint64_t *)(self->base + self->ring_off + (head % self->ring_records) * RING_RECORD);
+    head = *(volatile uint64_t *)(self->geo.base + H_RING_HEAD);
+    record = (uint64_t *)(self->geo.base + self->geo.ring_off +
+                          (head % self->geo.ring_records) * RING_RECORD);
     record[0] = done_ns;
     record[1] = wall;
     record[2] = cpu;
@@ -673,12 +686,12 @@ scan:
     record[4] = queue_wait;
     record[5] = rows;
     /* The record before the answer: a client that has seen DONE finds its batch. */
-    __atomic_store_n((uint64_t *)(self->base + H_RING_HEAD), head + 1, __ATOMIC_RELEASE);
-    __atomic_store_n((uint32_t *)(self->base + self->states_off) + index, ST_DONE,
+    __atomic_store_n((uint64_t *)(self->geo.base + H_RING_HEAD), head + 1, __ATOMIC_RELEASE);
+    __atomic_store_n((uint32_t *)(self->geo.base + self->geo.states_off) + index, ST_DONE,
                      __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* DONE before the load of the waiter flag */
     if (load32(slot + S_WAITER))
-        futex(self->base + self->states_off + 4u * index, FUTEX_WAKE, INT_MAX, NULL);
+        futex(self->geo.base + self->geo.states_off + 4u * index, FUTEX_WAKE, INT_MAX, NULL);
     __atomic_store_n(&self->claims[index], 0u, __ATOMIC_RELEASE); /* answered: leasable */
     if ((double)wall > self->slow_wall_ns || (measured && (double)cpu > self->slow_cpu_ns))
         return Py_BuildValue("(iIIOKKKK)", 2, index, rows, measured ? Py_True : Py_False,
@@ -747,9 +760,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *keep;
     PyObject *ndarray;
-    uintptr_t base;
-    uint32_t slot_count;
-    uint64_t states_off, table_off, requests_off, request_bytes, responses_off, response_bytes;
+    struct geometry geo;
     struct send_cache *send;
     struct recv_cache *recv;
 } Port;
@@ -831,9 +842,9 @@ static void port_dealloc(PyObject *obj)
     Port *self = (Port *)obj;
     PyTypeObject *type = Py_TYPE(obj);
     uint32_t i;
-    for (i = 0; self->send && i < self->slot_count; i++)
+    for (i = 0; self->send && i < self->geo.slot_count; i++)
         send_clear(&self->send[i]);
-    for (i = 0; self->recv && i < self->slot_count; i++)
+    for (i = 0; self->recv && i < self->geo.slot_count; i++)
         recv_clear(&self->recv[i]);
     PyMem_Free(self->send);
     PyMem_Free(self->recv);
@@ -846,37 +857,26 @@ static void port_dealloc(PyObject *obj)
 static PyObject *fast_port(PyObject *module, PyObject *args)
 {
     PyObject *keep, *base_obj, *ndarray;
-    unsigned long long map_len, slot_count, states_off, table_off, requests_off, request_bytes;
-    unsigned long long responses_off, response_bytes, ring_off, ring_records;
-    uintptr_t base;
+    struct geometry geo;
     Port *self;
     (void)module;
-    if (!PyArg_ParseTuple(args, "O!OK(KKKK)(KKKKK)O", &PyTuple_Type, &keep, &base_obj, &map_len,
-                          &slot_count, &request_bytes, &response_bytes, &ring_records,
-                          &states_off, &table_off, &requests_off, &responses_off, &ring_off,
-                          &ndarray) ||
-        get_addr(base_obj, &base) < 0)
+    if (!PyArg_ParseTuple(args, "O!O" GEOMETRY_FORMAT "O", &PyTuple_Type, &keep, &base_obj,
+                          GEOMETRY_ARGS(&geo), &ndarray) ||
+        get_addr(base_obj, &geo.base) < 0)
         return NULL;
     if (!PyType_Check(ndarray)) {
         PyErr_SetString(PyExc_TypeError, "shminfer._fast.port: ndarray must be a type");
         return NULL;
     }
-    if (slot_count < 1 || slot_count > 65536 || ring_records < 1 || (base & 7) ||
-        (states_off & 3) || (table_off & 7) || states_off < 4096 ||
-        !region_fits(states_off, slot_count, 4, table_off) ||
-        !region_fits(table_off, slot_count, SLOT_HEADER, requests_off) ||
-        !region_fits(requests_off, slot_count, request_bytes, responses_off) ||
-        !region_fits(responses_off, slot_count, response_bytes, ring_off) ||
-        !region_fits(ring_off, ring_records, RING_RECORD, map_len)) {
-        PyErr_SetString(PyExc_ValueError, "shminfer._fast.port: geometry outside the mapping");
+    /* The ring: this port never touches it (no alignment of its own asked). */
+    if (geometry_check(&geo, 0, "port") < 0)
         return NULL;
-    }
     self = (Port *)PyType_GenericAlloc((PyTypeObject *)port_type, 0);
     if (!self)
         return NULL;
-    self->slot_count = (uint32_t)slot_count;
-    self->send = PyMem_Calloc((size_t)slot_count, sizeof(struct send_cache));
-    self->recv = PyMem_Calloc((size_t)slot_count, sizeof(struct recv_cache));
+    self->geo = geo;
+    self->send = PyMem_Calloc((size_t)geo.slot_count, sizeof(struct send_cache));
+    self->recv = PyMem_Calloc((size_t)geo.slot_count, sizeof(struct recv_cache));
     if (!self->send || !self->recv) {
         Py_DECREF(self);
         return PyErr_NoMemory();
@@ -885,13 +885,6 @@ static PyObject *fast_port(PyObject *module, PyObject *args)
     self->keep = keep;
     Py_INCREF(ndarray);
     self->ndarray = ndarray;
-    self->base = base;
-    self->states_off = states_off;
-    self->table_off = table_off;
-    self->requests_off = requests_off;
-    self->request_bytes = request_bytes;
-    self->responses_off = responses_off;
-    self->response_bytes = response_bytes;
     return (PyObject *)self;
 }
 
@@ -912,20 +905,20 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!K", &index_obj, &PyTuple_Type, &names, &PyTuple_Type,
                           &dtypes, &PyTuple_Type, &shapes, &PyTuple_Type, &dests, &PyBytes_Type,
                           &header, &total) ||
-        slot_index(index_obj, self->slot_count, "Port", &index) < 0 ||
+        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0 ||
         PyBytes_AsStringAndSize(header, &hdata, &hlen) < 0)
         return NULL;
     count = PyTuple_Size(names);
     if (count < 0 || count > MAX_PORT_ARRAYS || PyTuple_Size(dtypes) != count ||
         PyTuple_Size(shapes) != count || PyTuple_Size(dests) != count || hlen < 6 ||
-        (uint64_t)hlen > total || total > self->request_bytes || total > UINT32_MAX) {
+        (uint64_t)hlen > total || total > self->geo.request_bytes || total > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "shminfer._fast.Port.learn_send: layout outside the slot");
         return NULL;
     }
     spans = PyMem_Calloc((size_t)(count ? count : 1), 2 * sizeof(uint64_t));
     if (!spans)
         return PyErr_NoMemory();
-    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
+    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
     for (i = 0; i < count; i++) {
         PyObject *dest = PyTuple_GetItem(dests, i), *capsule = NULL;
         uintptr_t addr = 0;
@@ -942,8 +935,8 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
         }
         /* Every destination one block inside this request slot, after the header. */
         if (!r || (dest != Py_None && (addr < request + (uint64_t)hlen ||
-                                        addr - request > self->request_bytes ||
-                                        len > self->request_bytes - (addr - request)))) {
+                                        addr - request > self->geo.request_bytes ||
+                                        len > self->geo.request_bytes - (addr - request)))) {
             PyMem_Free(spans);
             PyErr_SetString(PyExc_TypeError, "shminfer._fast.Port.learn_send: bad layout");
             return NULL;
@@ -984,10 +977,10 @@ static PyObject *port_learn_recv(PyObject *obj, PyObject *args)
     struct recv_cache *c;
     if (!PyArg_ParseTuple(args, "OO!KO!", &index_obj, &PyBytes_Type, &prefix, &min_len,
                           &PyDict_Type, &views) ||
-        slot_index(index_obj, self->slot_count, "Port", &index) < 0 ||
+        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0 ||
         PyBytes_AsStringAndSize(prefix, &pdata, &plen) < 0)
         return NULL;
-    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->response_bytes) {
+    if (plen < 6 || (uint64_t)plen > min_len || min_len > self->geo.response_bytes) {
         PyErr_SetString(PyExc_ValueError, "shminfer._fast.Port.learn_recv: sizes outside the slot");
         return NULL;
     }
@@ -1007,7 +1000,7 @@ static PyObject *port_forget(PyObject *obj, PyObject *arg)
 {
     Port *self = (Port *)obj;
     uint32_t index;
-    if (slot_index(arg, self->slot_count, "Port", &index) < 0)
+    if (slot_index(arg, self->geo.slot_count, "Port", &index) < 0)
         return NULL;
     send_clear(&self->send[index]);
     recv_clear(&self->recv[index]);
@@ -1035,7 +1028,7 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
     uintptr_t slot, request, state;
     int r;
     if (!PyArg_ParseTuple(args, "OOK", &index_obj, &inputs, &seq) ||
-        slot_index(index_obj, self->slot_count, "Port", &index) < 0)
+        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0)
         return NULL;
     c = &self->send[index];
     if (!c->names || !PyDict_CheckExact(inputs) || PyDict_Size(inputs) != c->count)
@@ -1068,9 +1061,9 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
     if (i != c->count)
         Py_RETURN_NONE;
     n = i;
-    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
-    request = self->base + self->requests_off + (uintptr_t)index * self->request_bytes;
-    state = self->base + self->states_off + 4u * (uintptr_t)index;
+    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
+    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
+    state = self->geo.base + self->geo.states_off + 4u * (uintptr_t)index;
     __atomic_store_n((uint32_t *)state, ST_WRITING, __ATOMIC_RELAXED);
     memcpy((void *)request, c->header_data, (size_t)c->header_len);
     for (i = 0; i < n; i++)
@@ -1102,7 +1095,7 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
     *(volatile uint64_t *)(slot + S_SEQ) = (uint64_t)seq;
     *(volatile uint64_t *)(slot + S_ENQUEUE_NS) = monotonic_ns();
     __atomic_store_n((uint32_t *)state, ST_READY, __ATOMIC_RELEASE);
-    doorbell(self->base);
+    doorbell(self->geo.base);
     return PyLong_FromUnsignedLongLong((unsigned long long)c->total);
 }
 
@@ -1120,9 +1113,9 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     uintptr_t slot, response, addr;
     struct recv_cache *c;
     if (!PyArg_ParseTuple(args, "OKL", &index_obj, &seq, &spin_ns) ||
-        slot_index(index_obj, self->slot_count, "Port", &index) < 0)
+        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0)
         return NULL;
-    addr = self->base + self->states_off + 4u * (uintptr_t)index;
+    addr = self->geo.base + self->geo.states_off + 4u * (uintptr_t)index;
     state = load32(addr);
     if ((state == ST_READY || state == ST_PROCESSING) && spin_ns > 0) {
         Py_BEGIN_ALLOW_THREADS
@@ -1141,11 +1134,12 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     c = &self->recv[index];
     if (state != ST_DONE || !c->views)
         return PyLong_FromUnsignedLong(state);
-    slot = self->base + self->table_off + (uintptr_t)index * SLOT_HEADER;
-    response = self->base + self->responses_off + (uintptr_t)index * self->response_bytes;
+    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
+    response =
+        self->geo.base + self->geo.responses_off + (uintptr_t)index * self->geo.response_bytes;
     length = *(volatile uint32_t *)(slot + S_RESPONSE_LEN);
     answered = *(volatile uint64_t *)(slot + S_RESPONSE_SEQ);
-    if (answered != (uint64_t)seq || length < c->min_len || length > self->response_bytes ||
+    if (answered != (uint64_t)seq || length < c->min_len || length > self->geo.response_bytes ||
         memcmp((const void *)response, c->prefix_data, (size_t)c->prefix_len) != 0)
         return PyLong_FromUnsignedLong(state);
     Py_INCREF(c->views);
