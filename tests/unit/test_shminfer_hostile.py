@@ -253,17 +253,26 @@ def test_crafted_requests_fail_alone_and_the_worker_keeps_serving_others():
         assert server.restarts[server.cpus[0]] == 0
 
 
+@contextlib.contextmanager
+def _learned_slot():
+    """A server of two slots and a client leasing one, five requests answered on it: the
+    worker and the client have both learned that slot's layouts. (server, client, lane,
+    slot)."""
+    with serving(slots=2) as server, Client(server.name, slots_per_worker=1) as client:
+        client.wait_ready(60)
+        lane = client.lanes[0]
+        (slot,) = lane.leased
+        for value in range(5):
+            assert np.all(client.infer(_x(float(value)), timeout=20)["y"] == value)
+        yield server, client, lane, slot
+
+
 def test_a_request_rewritten_after_its_layout_was_learned_is_checked_again():
     # The worker reuses a slot's decoded views (in C where it is built) only while the
     # request's length word and descriptor bytes are the ones it validated: every rewrite
     # of either is decoded afresh and refused, and the worker keeps serving.
-    with serving(slots=2) as server, Client(server.name, slots_per_worker=1) as client:
-        client.wait_ready(60)
-        lane = client.lanes[0]
+    with _learned_slot() as (server, client, lane, slot):
         seg = lane.seg
-        (slot,) = lane.leased
-        for value in range(5):
-            assert np.all(client.infer(_x(float(value)), timeout=20)["y"] == value)
         good = bytes(lane.requests[slot][:320])  # 64 bytes of descriptor, 1 x 64 float32
         assert Decoder().decode(memoryview(bytearray(good)), 320)["x"].shape == (1, 64)
 
@@ -313,13 +322,8 @@ def test_a_response_rewritten_after_its_layout_was_learned_is_checked_again():
     # only for DONE under the request's own tag, with the length word and descriptor bytes
     # the decoder validated and a length inside the slot: a forged answer that differs in
     # any of them is read afresh and refused, and the client keeps working.
-    with serving(slots=2) as server, Client(server.name, slots_per_worker=1) as client:
-        client.wait_ready(60)
-        lane = client.lanes[0]
+    with _learned_slot() as (_, client, lane, slot):
         seg = lane.seg
-        (slot,) = lane.leased
-        for value in range(5):
-            assert np.all(client.infer(_x(float(value)), timeout=20)["y"] == value)
         length = seg.slot_get(slot, "response_len")
         good = bytes(lane.responses[slot][:length])
         counter = iter(range(0xFFFF0000, 0xFFFFFFFF))
