@@ -61,6 +61,10 @@ SSH_COMMON_ARGS = (
 )
 QEMU_BINARY = "qemu-system-x86_64"
 QEMU_INSTALL_HINT = "apt-get install qemu-system-x86 qemu-utils"
+# QEMU 7.2's TCG, a thread per vCPU, hung 3 of 8 PREEMPT_RT boots of the 48-vCPU guest in a
+# cross-modifying-code race (docs/runs.md); QEMU 10 held. Smaller guests did not show it.
+QEMU_RELIABLE_MAJOR = 10
+QEMU_RELIABLE_CPUS = 8
 
 
 class LabError(Exception):
@@ -468,6 +472,28 @@ def ensure_key(state: Path) -> Path:
     return key
 
 
+def qemu_major(version_text: str) -> int | None:
+    """The major version in ``qemu-system-x86_64 --version`` output, None when unreadable."""
+    match = re.match(r"QEMU emulator version (\d+)\.", version_text)
+    return int(match.group(1)) if match else None
+
+
+def warn_old_qemu(topologies: dict[str, Topology]) -> str | None:
+    """A one-line warning when a guest this large runs on a QEMU known to hang its RT boots."""
+    large = sorted(name for name, topo in topologies.items() if topo.cpus > QEMU_RELIABLE_CPUS)
+    if not large:
+        return None
+    result = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
+    major = qemu_major(result.stdout)
+    if major is not None and major >= QEMU_RELIABLE_MAJOR:
+        return None
+    return (
+        f"warning: {', '.join(large)}: QEMU {major if major is not None else '(unknown)'} "
+        f"can hang a guest of more than {QEMU_RELIABLE_CPUS} vCPUs booting PREEMPT_RT; "
+        f"lab/install-deps.sh installs QEMU {QEMU_RELIABLE_MAJOR} (docs/runs.md)"
+    )
+
+
 def _require_tool(tool: str, hint: str) -> str:
     path = shutil.which(tool)
     if path is None:
@@ -704,6 +730,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     _require_tool(QEMU_BINARY, QEMU_INSTALL_HINT)
     _require_tool("qemu-img", QEMU_INSTALL_HINT)
     _require_tool("ssh", "apt-get install openssh-client")
+    warning = warn_old_qemu(topologies)
+    if warning:
+        print(warning, file=sys.stderr)
     image = Path(args.image).resolve() if args.image else image_path(repo)
     if not image.is_file():
         raise LabError(

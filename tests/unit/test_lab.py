@@ -359,6 +359,47 @@ def test_up_without_qemu_says_what_to_install(state, capsys, monkeypatch):
     assert "apt-get install qemu-system-x86 qemu-utils" in capsys.readouterr().err
 
 
+def test_the_installed_qemu_reports_a_version_the_lab_reads():
+    if shutil.which(lab.QEMU_BINARY) is None:
+        pytest.skip("qemu-system-x86_64 not installed")
+    result = subprocess.run(
+        [lab.QEMU_BINARY, "--version"], capture_output=True, text=True, check=True
+    )
+    out = result.stdout
+    assert lab.qemu_major(out) is not None, out
+
+
+@pytest.mark.parametrize(
+    ("version", "major"),
+    [
+        ("QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)\nCopyright", 7),
+        ("QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)\n", 10),
+        ("qemu-system-x86_64: error while loading shared libraries\n", None),
+        ("", None),
+    ],
+)
+def test_qemu_major(version, major):
+    assert lab.qemu_major(version) == major
+
+
+def test_large_guests_on_an_old_qemu_get_a_one_line_warning(tmp_path, monkeypatch):
+    # A stand-in for the QEMU binary that prints what QEMU 7.2 and 10 print.
+    fake = tmp_path / lab.QEMU_BINARY
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    topologies = {name: lab.load_topology(REPO, name) for name in ("server-nps2", "epyc-2ccx")}
+    for version, warned in (("7.2.22", True), ("10.0.2", False), ("garbage", True)):
+        fake.write_text(f"#!/bin/sh\necho 'QEMU emulator version {version} (Debian)'\n")
+        fake.chmod(0o755)
+        warning = lab.warn_old_qemu(topologies)
+        if not warned:
+            assert warning is None
+            continue
+        assert warning.startswith("warning: server-nps2: QEMU ")
+        assert "\n" not in warning
+        assert "lab/install-deps.sh" in warning
+    assert lab.warn_old_qemu({"epyc-2ccx": topologies["epyc-2ccx"]}) is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
