@@ -78,12 +78,12 @@ class _Lane:
         self.abandoned = []
         self.requests = {i: segment.request_view(i) for i in slots}
         self.responses = {i: segment.response_view(i) for i in slots}
-        # slot -> (request view, response view, lease generation << 32): one lookup a request
+        # slot -> (request view, response view, slot address, state word address): one
+        # lookup a request on the Python encode path
         self.hot = {
             i: (
                 self.requests[i],
                 self.responses[i],
-                self.generation[i] << 32,
                 segment.slot_addr(i),
                 segment.state_addr(i),
             )
@@ -360,7 +360,7 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         seg = lane.seg
         words = seg.state_words
-        request, _response, _generation, slot_addr, state_addr = lane.hot[slot]
+        request, _response, slot_addr, state_addr = lane.hot[slot]
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
