@@ -386,6 +386,28 @@ static int geometry_check(const struct geometry *g, int misaligned, const char *
     return 0;
 }
 
+/* Where slot ``i``'s words live in a checked geometry: its state word, its slot-table
+ * entry, its request and its response (the segment layout of queue.py, in one place). */
+static inline uintptr_t geo_state(const struct geometry *g, uintptr_t i)
+{
+    return g->base + g->states_off + 4u * i;
+}
+
+static inline uintptr_t geo_slot(const struct geometry *g, uintptr_t i)
+{
+    return g->base + g->table_off + i * SLOT_HEADER;
+}
+
+static inline uintptr_t geo_request(const struct geometry *g, uintptr_t i)
+{
+    return g->base + g->requests_off + i * g->request_bytes;
+}
+
+static inline uintptr_t geo_response(const struct geometry *g, uintptr_t i)
+{
+    return g->base + g->responses_off + i * g->response_bytes;
+}
+
 static void cache_clear(struct slot_cache *c)
 {
     Py_CLEAR(c->prefix);
@@ -540,8 +562,7 @@ static PyObject *loop_serve(PyObject *obj, PyObject *args)
     Loop *self = (Loop *)obj;
     PyObject *infer_into;
     long long spin_ns = 0;
-    const volatile uint32_t *states =
-        (const volatile uint32_t *)(self->geo.base + self->geo.states_off);
+    const volatile uint32_t *states = (const volatile uint32_t *)geo_state(&self->geo, 0);
     uint32_t i, index = 0, found = 0;
     uintptr_t slot, request, response;
     uint64_t tag, start_ns, length, cpu0, thread0 = 0, wall0, wall, cpu, thread, done_ns;
@@ -561,8 +582,7 @@ scan:
     for (i = 0; i < self->geo.slot_count; i++)
         if (states[i] == ST_READY) {
             /* A peer's seq only orders the READY slots (ties: the lowest index). */
-            seq = *(volatile uint64_t *)(self->geo.base + self->geo.table_off +
-                                         (uintptr_t)i * SLOT_HEADER + S_SEQ);
+            seq = *(volatile uint64_t *)(geo_slot(&self->geo, i) + S_SEQ);
             if (++found > 1 && !self->one_at_a_time)
                 Py_RETURN_FALSE;
             if (found == 1 || seq < oldest) {
@@ -594,14 +614,12 @@ scan:
     if (!found)
         Py_RETURN_NONE;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
-    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
-    response =
-        self->geo.base + self->geo.responses_off + (uintptr_t)index * self->geo.response_bytes;
+    slot = geo_slot(&self->geo, index);
+    request = geo_request(&self->geo, index);
+    response = geo_response(&self->geo, index);
     /* The claim, as Worker._claim: recorded before PROCESSING; then the tag, read once. */
     __atomic_store_n(&self->claims[index], 1u, __ATOMIC_RELAXED);
-    __atomic_store_n((uint32_t *)(self->geo.base + self->geo.states_off) + index, ST_PROCESSING,
-                     __ATOMIC_RELEASE);
+    __atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_PROCESSING, __ATOMIC_RELEASE);
     tag = *(volatile uint64_t *)(slot + S_SEQ);
     start_ns = monotonic_ns();
     *(volatile uint64_t *)(slot + S_START_NS) = start_ns;
@@ -687,11 +705,10 @@ scan:
     record[5] = rows;
     /* The record before the answer: a client that has seen DONE finds its batch. */
     __atomic_store_n((uint64_t *)(self->geo.base + H_RING_HEAD), head + 1, __ATOMIC_RELEASE);
-    __atomic_store_n((uint32_t *)(self->geo.base + self->geo.states_off) + index, ST_DONE,
-                     __ATOMIC_RELEASE);
+    __atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_DONE, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* DONE before the load of the waiter flag */
     if (load32(slot + S_WAITER))
-        futex(self->geo.base + self->geo.states_off + 4u * index, FUTEX_WAKE, INT_MAX, NULL);
+        futex(geo_state(&self->geo, index), FUTEX_WAKE, INT_MAX, NULL);
     __atomic_store_n(&self->claims[index], 0u, __ATOMIC_RELEASE); /* answered: leasable */
     if ((double)wall > self->slow_wall_ns || (measured && (double)cpu > self->slow_cpu_ns))
         return Py_BuildValue("(iIIOKKKK)", 2, index, rows, measured ? Py_True : Py_False,
@@ -918,7 +935,7 @@ static PyObject *port_learn_send(PyObject *obj, PyObject *args)
     spans = PyMem_Calloc((size_t)(count ? count : 1), 2 * sizeof(uint64_t));
     if (!spans)
         return PyErr_NoMemory();
-    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
+    request = geo_request(&self->geo, index);
     for (i = 0; i < count; i++) {
         PyObject *dest = PyTuple_GetItem(dests, i), *capsule = NULL;
         uintptr_t addr = 0;
@@ -1061,9 +1078,9 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
     if (i != c->count)
         Py_RETURN_NONE;
     n = i;
-    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
-    request = self->geo.base + self->geo.requests_off + (uintptr_t)index * self->geo.request_bytes;
-    state = self->geo.base + self->geo.states_off + 4u * (uintptr_t)index;
+    slot = geo_slot(&self->geo, index);
+    request = geo_request(&self->geo, index);
+    state = geo_state(&self->geo, index);
     __atomic_store_n((uint32_t *)state, ST_WRITING, __ATOMIC_RELAXED);
     memcpy((void *)request, c->header_data, (size_t)c->header_len);
     for (i = 0; i < n; i++)
@@ -1115,7 +1132,7 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     if (!PyArg_ParseTuple(args, "OKL", &index_obj, &seq, &spin_ns) ||
         slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0)
         return NULL;
-    addr = self->geo.base + self->geo.states_off + 4u * (uintptr_t)index;
+    addr = geo_state(&self->geo, index);
     state = load32(addr);
     if ((state == ST_READY || state == ST_PROCESSING) && spin_ns > 0) {
         Py_BEGIN_ALLOW_THREADS
@@ -1134,9 +1151,8 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     c = &self->recv[index];
     if (state != ST_DONE || !c->views)
         return PyLong_FromUnsignedLong(state);
-    slot = self->geo.base + self->geo.table_off + (uintptr_t)index * SLOT_HEADER;
-    response =
-        self->geo.base + self->geo.responses_off + (uintptr_t)index * self->geo.response_bytes;
+    slot = geo_slot(&self->geo, index);
+    response = geo_response(&self->geo, index);
     length = *(volatile uint32_t *)(slot + S_RESPONSE_LEN);
     answered = *(volatile uint64_t *)(slot + S_RESPONSE_SEQ);
     if (answered != (uint64_t)seq || length < c->min_len || length > self->geo.response_bytes ||
