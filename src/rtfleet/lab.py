@@ -196,6 +196,17 @@ def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topo
         raise LabError(f"{source}: numa nodes must cover cpus 0-{ncpus - 1} exactly")
     if nodes and sum(mem for _, mem in nodes) != memory_mib:
         raise LabError(f"{source}: numa memory_mib must add up to memory_mib ({memory_mib})")
+    cpu_flags = tuple(str(f) for f in cpu.get("flags") or [])
+    if (
+        dies > 1
+        and "vendor=GenuineIntel" in cpu_flags
+        and ("full-cpuid-auto-level=off" not in cpu_flags)
+    ):
+        # QEMU 10 exposes CPUID leaf 0x1f for this and aborts as the guest boots.
+        raise LabError(
+            f"{source}: an Intel vendor with dies > 1 needs 'full-cpuid-auto-level=off' in "
+            "cpu.flags (QEMU 10 aborts on CPUID leaf 0x1f otherwise; see lab/README.md)"
+        )
     smbios = tuple(dict(entry) for entry in data.get("smbios") or [])
     for entry in smbios:
         if "type" not in entry:
@@ -204,7 +215,7 @@ def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topo
         name=need("name", str),
         description=str(data.get("description", "")).strip(),
         cpu_model=str(cpu["model"]),
-        cpu_flags=tuple(str(f) for f in cpu.get("flags") or []),
+        cpu_flags=cpu_flags,
         sockets=sockets,
         dies=dies,
         cores=cores,

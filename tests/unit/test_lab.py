@@ -131,6 +131,16 @@ def test_bad_numa_layouts_are_rejected(numa, message):
         lab.topology_from_dict(doc)
 
 
+def test_an_intel_vendor_with_dies_needs_the_cpuid_level_kept():
+    data = yaml.safe_load((REPO / "lab/topologies/server-nps2.yml").read_text())
+    data["cpu"]["flags"].remove("full-cpuid-auto-level=off")
+    with pytest.raises(lab.LabError, match=r"needs 'full-cpuid-auto-level=off' in cpu\.flags"):
+        lab.topology_from_dict(data, source="t.yml")
+    data["smp"]["dies"] = 1  # one die: QEMU offers no leaf 0x1f, nothing to keep
+    data["smp"]["cores"] = 12
+    assert lab.topology_from_dict(data).dies == 1
+
+
 def test_unknown_topology_lists_the_known_ones():
     with pytest.raises(lab.LabError, match="known: ccx-smt, dual-socket"):
         lab.load_topology(REPO, "nope")
