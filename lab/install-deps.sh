@@ -12,7 +12,7 @@ packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux opens
 # cross-modifying-code race (docs/runs.md). On Debian 12 the newer QEMU comes from
 # bookworm-backports, an official Debian archive that apt pins below the release (priority
 # 100), so only the packages asked for with -t come from it.
-qemu_min_major=10
+qemu_min_major=10  # rtfleet.lab.QEMU_RELIABLE_MAJOR warns from the same figure
 qemu_from_backports=(qemu-system-x86 qemu-utils)
 
 sudo=()
@@ -49,7 +49,7 @@ if [[ "$codename" != bookworm ]]; then
     exit 0
 fi
 list=/etc/apt/sources.list.d/bookworm-backports.sources
-if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+if ! grep -rqsE '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
     echo "adding $list (QEMU $major is older than $qemu_min_major)"
     printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
         'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' \

@@ -63,7 +63,7 @@ QEMU_BINARY = "qemu-system-x86_64"
 QEMU_INSTALL_HINT = "apt-get install qemu-system-x86 qemu-utils"
 # QEMU 7.2's TCG, a thread per vCPU, hung 3 of 8 PREEMPT_RT boots of the 48-vCPU guest in a
 # cross-modifying-code race (docs/runs.md); QEMU 10 held. Smaller guests did not show it.
-QEMU_RELIABLE_MAJOR = 10
+QEMU_RELIABLE_MAJOR = 10  # lab/install-deps.sh installs at least this (qemu_min_major)
 QEMU_RELIABLE_CPUS = 8
 
 
