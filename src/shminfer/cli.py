@@ -163,6 +163,11 @@ def cmd_smoke(args) -> int:
         "latency_ms_p99": float(np.quantile(lat, 0.99)),
         "latency_ms_p999": float(np.quantile(lat, 0.999)),
         "latency_ms_max": float(lat.max()),
+        # Jitter coefficient of the round trip: standard deviation / mean (the field
+        # reports watch 0.20); None without two answers.
+        "latency_jitter": float(lat.std() / lat.mean())
+        if lat.size > 1 and lat.mean() > 0
+        else None,
         "slow_infer": int(
             (
                 (
@@ -189,6 +194,12 @@ def cmd_smoke(args) -> int:
     ratio = summary.get("cpu_ratio")
     if ratio is not None and ratio > args.max_cpu_ratio:
         failures.append(f"process/thread CPU ratio {ratio:.3f} > {args.max_cpu_ratio}")
+    jitter = result["latency_jitter"]
+    if args.max_jitter is not None and (jitter is None or jitter > args.max_jitter):
+        failures.append(
+            f"round-trip jitter (std/mean) {'n/a' if jitter is None else f'{jitter:.3f}'} > "
+            f"{args.max_jitter}"
+        )
     if result["slow_infer"] > args.max_slow_infer:
         failures.append(f"{result['slow_infer']} slow_infer batches > {args.max_slow_infer}")
     result["passed"] = not failures
@@ -252,11 +263,13 @@ def _print_smoke(result):
     console = Console(highlight=False)
     console.print(table)
     ratio = result.get("cpu_ratio")
+    jitter = result.get("latency_jitter")
     console.print(
         f"requests {result['requests']}, errors {result['errors']}, batches "
         f"{result.get('batches', 0)} (mean size {result.get('mean_batch', 0):.2f}), "
         f"slow_infer {result['slow_infer']}, process/thread CPU ratio "
-        f"{'n/a' if ratio is None else f'{ratio:.3f}'}"
+        f"{'n/a' if ratio is None else f'{ratio:.3f}'}, round-trip jitter (std/mean) "
+        f"{'n/a' if jitter is None else f'{jitter:.3f}'}"
     )
     console.print("PASSED" if result["passed"] else "FAILED: " + "; ".join(result["failures"]))
 
@@ -354,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--max-cpu-ratio", type=float, default=1.2)
     smoke.add_argument("--max-errors", type=int, default=0)
     smoke.add_argument("--max-slow-infer", type=int, default=0)
+    smoke.add_argument(
+        "--max-jitter",
+        type=float,
+        default=None,
+        help="fail when the round trip's standard deviation / mean exceeds this (e.g. 0.2)",
+    )
     smoke.add_argument("--slow-cpu-ms", type=float, default=100.0)
     smoke.add_argument("--slow-wall-ms", type=float, default=200.0)
     smoke.add_argument("--format", choices=("table", "json"), default="table")

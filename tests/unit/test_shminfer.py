@@ -454,6 +454,8 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
         result = json.loads(smoke.stdout)
         assert result["passed"] and result["errors"] == 0 and result["batches"] >= 300
         assert 0.8 < result["cpu_ratio"] < 1.25
+        # jitter = std / mean of the round trips: a positive number on any real run
+        assert isinstance(result["latency_jitter"], float) and result["latency_jitter"] > 0
         probe = subprocess.run(
             _cli("probe", "--name", name), capture_output=True, text=True, check=False, timeout=60
         )
@@ -470,6 +472,18 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
             timeout=120,
         )
         assert strict.returncode == 1 and "latency p99" in strict.stdout
+        jittery = subprocess.run(
+            _cli("smoke", "--name", name, "-n", "50", "--max-jitter", "0", "--format", "json"),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        assert jittery.returncode == 1, jittery.stderr
+        assert any(
+            f.startswith("round-trip jitter (std/mean) ")
+            for f in json.loads(jittery.stdout)["failures"]
+        )
         stats = subprocess.run(
             _cli("stats", "--name", name, "--format", "prometheus"),
             capture_output=True,
