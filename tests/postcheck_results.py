@@ -17,11 +17,23 @@ from shminfer.metrics import summarize
 from shminfer.queue import RING_FIELDS
 
 CYCLICTEST = Path(__file__).resolve().parent / "fixtures" / "cyclictest"
+OSLAT = Path(__file__).resolve().parent / "fixtures" / "oslat"
+HWLATDETECT = Path(__file__).resolve().parent / "fixtures" / "hwlatdetect"
 
 
 def cyclictest_doc(name: str) -> dict:
     """A captured ``cyclictest --json`` document (fresh copy), e.g. "hist200-overflow"."""
     return json.loads((CYCLICTEST / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def oslat_doc(name: str) -> dict:
+    """A captured ``oslat --json`` document (fresh copy), e.g. "cpus0-1-bucket8"."""
+    return json.loads((OSLAT / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def hwlatdetect_output(name: str) -> str:
+    """A captured ``hwlatdetect`` standard output, e.g. "rt-below-threshold"."""
+    return (HWLATDETECT / f"{name}.txt").read_text(encoding="utf-8")
 
 
 def smoke_entry(
@@ -66,12 +78,30 @@ def host_result(
     *,
     kind: str = "tuned",
     cyclictest: str | None = "hist50000-complete",
+    hwlatdetect: str | None = "skipped",
+    oslat: str | None = "cpus0-1-bucket8",
     smoke: list | None = None,
     consistency: list | None = None,
     thresholds: dict | None = None,
 ) -> dict:
-    """A schema-1 per-host result as the post-check role writes it."""
+    """A schema-1 per-host result as the post-check role writes it.
+
+    ``hwlatdetect``/``oslat``: a capture's name, "skipped" (recorded as not run, with a
+    reason) or None (not recorded at all).
+    """
     doc = cyclictest_doc(cyclictest) if cyclictest else None
+    if hwlatdetect == "skipped":
+        hwlat_entry = {"skipped": "the running kernel has no hwlat tracer (test)"}
+    elif hwlatdetect:
+        hwlat_entry = {"output": hwlatdetect_output(hwlatdetect), "cpus": "1", "duration_s": 10}
+    else:
+        hwlat_entry = None
+    if oslat == "skipped":
+        oslat_entry = {"skipped": "rtfleet_postcheck_oslat is false"}
+    elif oslat:
+        oslat_entry = {"json": oslat_doc(oslat), "cpus": "0-1", "duration_s": 3, "priority": 0}
+    else:
+        oslat_entry = None
     result = {
         "schema": 1,
         "host": host,
@@ -93,12 +123,19 @@ def host_result(
             "duration_s": 3,
             "cpus": "0-1",
         },
+        "hwlatdetect": hwlat_entry,
+        "oslat": oslat_entry,
         "smoke": [smoke_entry("resnet")] if smoke is None else smoke,
         "consistency": [{"check": "isolated CPUs", "ok": True, "detail": "1 isolated"}]
         if consistency is None
         else consistency,
         # Generous enough for the captured runs (a busy 2-CPU VM) unless a test tightens it.
-        "thresholds": {"cyclictest_max_us": 5000, "cyclictest_min_cycles": 1000}
+        "thresholds": {
+            "cyclictest_max_us": 5000,
+            "cyclictest_min_cycles": 1000,
+            "oslat_max_us": 500000,
+            "hwlatdetect_max_us": 20,
+        }
         if thresholds is None
         else thresholds,
         "gate": None,

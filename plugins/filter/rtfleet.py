@@ -17,8 +17,14 @@ from ansible.errors import AnsibleFilterError
 try:
     from rtfleet.boot import BootConfigError, compose_kernel_args, hugepage_runtime_settings
     from rtfleet.planner import PlanError, plan_partition
-    from rtfleet.postcheck import PostcheckError, gate_host, parse_cyclictest
-    from rtfleet.topology import format_cpulist, parse_cpulist
+    from rtfleet.postcheck import (
+        PostcheckError,
+        check_settings,
+        gate_host,
+        hardware_gate,
+        parse_cyclictest,
+    )
+    from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist
 
     _IMPORT_ERROR = None
 except ImportError as exc:  # pragma: no cover - depends on the controller's environment
@@ -48,6 +54,18 @@ def rtfleet_cpulist(cpus):
     """[0, 1, 2, 8] -> "0-2,8"."""
     _require()
     return format_cpulist(cpus)
+
+
+def rtfleet_cpumask(cpus):
+    """[0, 40] or "0,40" -> "00000100,00000001": the kernel's comma-grouped hex mask.
+
+    The form every cpumask file takes (tracing_cpumask, /proc/irq/*/smp_affinity): one
+    hex word longer than 8 digits is refused there, so "%x" breaks at CPU 32.
+    """
+    _require()
+    if isinstance(cpus, str):
+        cpus = parse_cpulist(cpus)
+    return format_cpumask(cpus)
 
 
 def rtfleet_cpus(cpulist):
@@ -99,14 +117,36 @@ def rtfleet_postcheck_gate(result):
         raise AnsibleFilterError("rtfleet post-check gate: %s" % exc) from None
 
 
+def rtfleet_postcheck_hardware_gate(result):
+    """{{ partial_result | rtfleet_postcheck_hardware_gate }} -> {"passed", "measured", "failures"}.
+
+    hwlatdetect alone, judged before the rest of the post-check runs.
+    """
+    _require()
+    try:
+        parsed, failures = hardware_gate(result)
+    except PostcheckError as exc:
+        raise AnsibleFilterError("rtfleet post-check hwlatdetect: %s" % exc) from None
+    return {"passed": not failures, "measured": parsed, "failures": failures}
+
+
+def rtfleet_postcheck_settings_errors(settings):
+    """{{ {'rtfleet_postcheck_duration': 60} | rtfleet_postcheck_settings_errors }} -> [str]."""
+    _require()
+    return check_settings(dict(settings or {}))
+
+
 class FilterModule(object):
     def filters(self):
         return {
             "rtfleet_plan": rtfleet_plan,
             "rtfleet_cpulist": rtfleet_cpulist,
             "rtfleet_cpus": rtfleet_cpus,
+            "rtfleet_cpumask": rtfleet_cpumask,
             "rtfleet_kernel_args": rtfleet_kernel_args,
             "rtfleet_hugepages": rtfleet_hugepages,
             "rtfleet_cyclictest": rtfleet_cyclictest,
             "rtfleet_postcheck_gate": rtfleet_postcheck_gate,
+            "rtfleet_postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
+            "rtfleet_postcheck_settings_errors": rtfleet_postcheck_settings_errors,
         }

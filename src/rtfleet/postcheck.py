@@ -16,17 +16,26 @@ The post-check role writes one JSON file per host on the controller,
       "host": "epyc1",                      # inventory hostname
       "kind": "tuned" | "baseline",         # baseline: captured on the old VM before migration
       "collected_at": "2026-11-30T13:00:00Z",
+      "virtualization": "none" | "kvm" | "qemu" | ...,   # systemd-detect-virt; qemu = TCG
       "kernel": {"release": str, "realtime": bool, "cmdline": str},
       "plan": {                             # {} for a baseline host
         "housekeeping": "0,4",
         "isolated": "1-3,5-7",
         "runtime_groups": {"ccx0": "1-3", "ccx1": "5-7"}
       },
-      "cyclictest": {                       # or null when no run was recorded
+      "hwlatdetect": {                      # run first; or {"skipped": reason}, or null
+        "output": "...",                    # hwlatdetect's standard output
+        "cpus": "1-3,5-7", "duration_s": 300, "window_us": 1000000, "width_us": 500000
+      },
+      "cyclictest": {                       # or {"skipped": reason}, or null (not run)
         "json": {...},                      # the raw `cyclictest --json=FILE` document
         "load": "hackbench ...",            # the background load during the run
         "duration_s": 60,
         "cpus": "1-3,5-7"                   # the -a cpulist
+      },
+      "oslat": {                            # after cyclictest; or {"skipped": reason}, or null
+        "json": {...},                      # the raw `oslat --json=FILE` document
+        "load": "...", "duration_s": 300, "cpus": "1-3,5-7", "priority": 1
       },
       "smoke": [{...}],                     # `shminfer smoke --format json` per unit; may be []
       "consistency": [{"check": str, "ok": bool, "detail": str}],
@@ -34,9 +43,12 @@ The post-check role writes one JSON file per host on the controller,
         "cyclictest_max_us": 100,           # -> gate_cyclictest max_us
         "cyclictest_p999_us": 50,           # optional -> p999_us
         "cyclictest_min_cycles": 10000,     # optional -> min_cycles
+        "hwlatdetect_max_us": 20,           # -> gate_hwlatdetect (default 20)
+        "oslat_max_us": 100,                # -> gate_oslat (default: cyclictest_max_us)
         "smoke_max_p99_ms": 5.0, ...        # informational: shminfer smoke gates itself
       },
-      "gate": {"passed": bool, "failures": [str, ...]}   # gate_host(result), as the role saw it
+      "gate": {"passed": bool, "verdict": "passed" | "hardware/firmware" | "failed",
+               "failures": [str, ...]}      # gate_host(result), as the role saw it
     }
 
 Required: ``schema``, ``host``, ``kind``; every other key may be missing and then reads
@@ -118,24 +130,24 @@ def _histogram_option(cmdline):
     return size, nsecs
 
 
-def _load_doc(doc):
+def _load_doc(doc, tool="cyclictest"):
     if isinstance(doc, (bytes, bytearray)):
         doc = doc.decode("utf-8", "replace")
     if isinstance(doc, str):
         if not doc.strip():
             raise PostcheckError(
-                "the cyclictest JSON is empty: cyclictest did not finish (was it killed, or "
-                "was --json=FILE pointing somewhere else?)"
+                "the %s JSON is empty: %s did not finish (was it killed, or "
+                "was --json=FILE pointing somewhere else?)" % (tool, tool)
             )
         try:
             doc = json.loads(doc)
         except ValueError as exc:
             raise PostcheckError(
-                "not valid JSON from cyclictest --json (%s): capture the whole file" % exc
+                "not valid JSON from %s --json (%s): capture the whole file" % (tool, exc)
             ) from None
     if not isinstance(doc, dict):
         raise PostcheckError(
-            "expected the cyclictest --json document (a JSON object), got %s" % type(doc).__name__
+            "expected the %s --json document (a JSON object), got %s" % (tool, type(doc).__name__)
         )
     return _plain_keys(doc)
 
@@ -437,6 +449,264 @@ def _num(value):
     return "%g" % value
 
 
+# --------------------------------------------------------------------------- oslat
+
+# oslat (rt-tests) busy-loops on each measured CPU the way a polling data-plane or
+# inference thread does, and counts every gap in the loop in 1 µs buckets. Its JSON
+# (``oslat --json=FILE``) has per thread ``cpu``, ``min``/``avg``/``max`` (µs),
+# ``duration`` (s) and ``histogram`` {"1": n, ..., "B": n}: bucket k < B counts loops of
+# k µs (rounded up), the last bucket B (``--bucket-size``, default 32) also counts every
+# longer one ("including overflows" in its text output), so a percentile that falls in
+# it is a bound (>= B µs), never a number.
+
+
+def _oslat_row(key, thread):
+    what = "oslat thread %s" % key
+    if not isinstance(thread, dict):
+        raise PostcheckError("%s is not an object in the oslat JSON" % what)
+    for field in ("cpu", "min", "avg", "max", "histogram"):
+        if field not in thread:
+            raise PostcheckError(
+                "%s has no %r: this is not oslat --json output (rt-tests >= 2.2)" % (what, field)
+            )
+    raw_hist = thread["histogram"]
+    if not isinstance(raw_hist, dict) or not raw_hist:
+        raise PostcheckError("%s histogram is not an object of {latency_us: count}" % what)
+    buckets = sorted(
+        (_int(k, what + " histogram bucket"), _int(v, what + " histogram count"))
+        for k, v in raw_hist.items()
+    )
+    if any(count < 0 for _, count in buckets):
+        raise PostcheckError("%s histogram has a negative count" % what)
+    last_us = buckets[-1][0]
+    loops = sum(count for _, count in buckets)
+    if loops <= 0:
+        raise PostcheckError(
+            "%s counted no loops: oslat stopped before measuring; run it longer (--duration)" % what
+        )
+    # The last bucket is open-ended: a rank that lands there is ">= last_us".
+    below = [(latency, count) for latency, count in buckets[:-1] if count > 0]
+    below_sum = sum(count for _, count in below)
+    row = {
+        "thread": _int(key, "oslat thread id"),
+        "cpu": _int(thread["cpu"], what + " cpu"),
+        "loops": loops,
+        "duration_s": float(thread.get("duration") or 0.0),
+        "min_us": _int(thread["min"], what + " min"),
+        "avg_us": float(thread["avg"]),
+        "max_us": _int(thread["max"], what + " max"),
+        "histogram": [[latency, count] for latency, count in buckets if count > 0],
+        "bucket_us": last_us,
+        "overflows": buckets[-1][1],
+    }
+    for name, num, den in PERCENTILES:
+        row[name + "_us"], row[name + "_beyond_histogram"] = _percentile(
+            below, loops, below_sum, num, den
+        )
+    return row
+
+
+def parse_oslat(doc):
+    """Per-CPU rows and a summary from an ``oslat --json`` document (dict or str).
+
+    Returns ``{"summary": {...}, "cpus": [row, ...]}``; a row has ``thread``, ``cpu``,
+    ``loops``, ``duration_s``, ``min_us``/``avg_us``/``max_us``, ``histogram``
+    (``[[latency_us, count], ...]``, the last bucket open-ended), ``bucket_us`` (that last
+    bucket), ``overflows`` (its count) and ``p99_us``/``p999_us`` with
+    ``*_beyond_histogram`` (value None when the rank falls in the open last bucket).
+    """
+    doc = _load_doc(doc, "oslat")
+    if "thread" not in doc or "num_threads" not in doc:
+        raise PostcheckError(
+            "no 'thread' or 'num_threads' key: this is not oslat --json output (keys: %s)"
+            % ", ".join(sorted(doc)[:8])
+        )
+    if doc.get("return_code", 0) not in (0, None):
+        raise PostcheckError(
+            "oslat exited with return code %s: the run failed on the host (the post-check log "
+            "has its stderr); fix that and run the post-check again" % doc.get("return_code")
+        )
+    threads = doc["thread"]
+    if not isinstance(threads, dict) or not threads:
+        raise PostcheckError(
+            "the oslat JSON has no measurement threads: run oslat with --cpu-list <cpus>"
+        )
+    ids = sorted(_int(key, "oslat thread id") for key in threads)
+    rows = [_oslat_row(i, threads[str(i)] if str(i) in threads else threads[i]) for i in ids]
+    sysinfo = doc.get("sysinfo") if isinstance(doc.get("sysinfo"), dict) else {}
+    worst = max(rows, key=lambda r: r["max_us"])
+    summary = {
+        "version": doc.get("rt_test_version"),
+        "cmdline": str(doc.get("cmdline") or ""),
+        "start_time": doc.get("start_time"),
+        "end_time": doc.get("end_time"),
+        "kernel_release": sysinfo.get("release"),
+        "realtime": bool(sysinfo.get("realtime")),
+        "threads": len(rows),
+        "cpus": format_cpulist(r["cpu"] for r in rows),
+        "bucket_us": max(r["bucket_us"] for r in rows),
+        "loops": sum(r["loops"] for r in rows),
+        "duration_s": min(r["duration_s"] for r in rows),
+        "max_us": worst["max_us"],
+        "max_cpu": worst["cpu"],
+    }
+    for name, _, _ in PERCENTILES:
+        value, beyond, cpu = _worst(rows, name)
+        summary[name + "_us"] = value
+        summary[name + "_beyond_histogram"] = beyond
+        summary[name + "_cpu"] = cpu
+    return {"summary": summary, "cpus": rows}
+
+
+def gate_oslat(parsed, max_us, wanted_cpus=None):
+    """Failure messages for a :func:`parse_oslat` result (or the raw document).
+
+    ``max_us``: the worst loop gap allowed on any CPU (None: not checked); ``wanted_cpus``:
+    the cpulist the post-check asked oslat to measure (every one must have a thread).
+    """
+    if not (isinstance(parsed, dict) and "summary" in parsed and "cpus" in parsed):
+        parsed = parse_oslat(parsed)
+    rows = parsed["cpus"]
+    failures = _measured_cpus("oslat", rows, wanted_cpus, "pass --cpu-list <cpus>")
+    limit = _number(max_us, "oslat threshold max_us")
+    if limit is not None:
+        over = sorted((r for r in rows if r["max_us"] > limit), key=lambda r: -r["max_us"])
+        if over:
+            failures.append(
+                "oslat max latency %d µs on %s exceeds the %s µs limit (%d of %d CPUs over: %s)"
+                % (
+                    over[0]["max_us"],
+                    _cpu_label(over[0]),
+                    _num(limit),
+                    len(over),
+                    len(rows),
+                    _named(over, lambda r: "%d µs" % r["max_us"]),
+                )
+            )
+    return failures
+
+
+# --------------------------------------------------------------------------- hwlatdetect
+
+# hwlatdetect (rt-tests) drives the kernel's hwlat tracer: a kernel thread spins with
+# interrupts off on one CPU at a time (``width`` µs of every ``window``) and records any gap
+# in the TSC it reads, which only the hardware or firmware can cause (SMIs, power
+# management). It prints its parameters, "test finished", then "Max Latency: <n>us" (or
+# "Below threshold"), "Samples recorded: n", "Samples exceeding threshold: n", on Intel
+# "SMIs during run: n", and one line per sample, "ts: <s.ns>, inner:<µs>, outer:<µs>".
+# Its exit status is 1 both for a latency above --hardlimit and for a crash (no tracer), so
+# the post-check judges the text, not the status.
+
+_HWLAT_PARAMS = {
+    "Latency threshold": "threshold_us",
+    "Sample window": "window_us",
+    "Sample width": "width_us",
+}
+
+
+def _hwlat_us(value, what):
+    text = value.strip()
+    if text.endswith("us"):
+        text = text[:-2]
+    try:
+        return int(text)
+    except ValueError:
+        raise PostcheckError("hwlatdetect %s is %r, expected <n>us" % (what, value)) from None
+
+
+def parse_hwlatdetect(text):
+    """The figures of one ``hwlatdetect`` run from its standard output.
+
+    Returns ``{"duration_s", "threshold_us", "window_us", "width_us", "max_us" (0 when
+    no sample crossed the threshold), "samples": [{"ts", "inner_us", "outer_us"}],
+    "exceeding", "smis" (None where the CPU has no SMI counter)}``. PostcheckError when
+    the run did not finish, with the reason the tool gave.
+    """
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode("utf-8", "replace")
+    if not isinstance(text, str):
+        raise PostcheckError("hwlatdetect output must be text, got %s" % type(text).__name__)
+    lines = [line.strip() for line in text.splitlines()]
+    out = {"duration_s": None, "samples": [], "smis": None}
+    finished = False
+    for line in lines:
+        if line.startswith("hwlatdetect:") and "test duration" in line:
+            words = line.split()
+            out["duration_s"] = _int(words[words.index("duration") + 1], "hwlatdetect duration")
+        elif ":" in line and line.split(":", 1)[0] in _HWLAT_PARAMS:
+            key, value = line.split(":", 1)
+            out[_HWLAT_PARAMS[key]] = _hwlat_us(value, key.lower())
+        elif line == "test finished":
+            finished = True
+        elif line.startswith("Max Latency:"):
+            value = line.split(":", 1)[1].strip()
+            out["max_us"] = 0 if value == "Below threshold" else _hwlat_us(value, "max latency")
+        elif line.startswith("Samples exceeding threshold:"):
+            out["exceeding"] = _int(line.split(":", 1)[1], "hwlatdetect samples exceeding")
+        elif line.startswith("SMIs during run:"):
+            out["smis"] = _int(line.split(":", 1)[1], "hwlatdetect SMI count")
+        elif line.startswith("ts:") and "inner:" in line and "outer:" in line:
+            fields = dict(part.strip().split(":", 1) for part in line.split(",") if ":" in part)
+            out["samples"].append(
+                {
+                    "ts": fields["ts"].strip(),
+                    "inner_us": _int(fields["inner"], "hwlatdetect sample inner"),
+                    "outer_us": _int(fields["outer"], "hwlatdetect sample outer"),
+                }
+            )
+    if not finished or "max_us" not in out:
+        reason = next((line for line in reversed(lines) if line), "no output")
+        if "not available" in reason or "DetectorNotAvailable" in reason:
+            reason += (
+                " (the kernel has no hwlat tracer: it needs CONFIG_HWLAT_TRACER, which Debian's "
+                "kernels have; or set rtfleet_postcheck_hwlatdetect: false)"
+            )
+        raise PostcheckError("hwlatdetect did not finish: %s" % reason)
+    for key in ("threshold_us", "window_us", "width_us"):
+        out.setdefault(key, None)
+    out.setdefault("exceeding", len(out["samples"]))
+    if out["samples"]:
+        out["max_us"] = max(
+            out["max_us"], *(max(s["inner_us"], s["outer_us"]) for s in out["samples"])
+        )
+    return out
+
+
+def gate_hwlatdetect(parsed, max_us):
+    """Failure messages for a :func:`parse_hwlatdetect` result (or its text).
+
+    A failure here is the hardware's or the firmware's: no OS tuning removes it, so the
+    post-check stops the host before cyclictest, oslat and the smoke test.
+    """
+    if not isinstance(parsed, dict):
+        parsed = parse_hwlatdetect(parsed)
+    limit = _number(max_us, "hwlatdetect threshold max_us")
+    if limit is None:
+        return []
+    threshold = parsed.get("threshold_us")
+    if threshold is not None and threshold > limit:
+        return [
+            "hwlatdetect ran with --threshold %d µs, above the %s µs limit, so a gap between "
+            "the two would go unseen: run it with --threshold <= the limit"
+            % (threshold, _num(limit))
+        ]
+    if parsed["max_us"] <= limit:
+        return []
+    smis = parsed.get("smis")
+    return [
+        "hwlatdetect: hardware/firmware latency %d µs exceeds the %s µs limit (%d samples over "
+        "%s; %s): no OS tuning removes this; check the BIOS checklist (C-states, power and "
+        "SMI sources, firmware updates) before tuning further"
+        % (
+            parsed["max_us"],
+            _num(limit),
+            parsed.get("exceeding") or len(parsed["samples"]),
+            "%s s" % parsed["duration_s"] if parsed.get("duration_s") else "the run",
+            "%d SMIs during the run" % smis if smis is not None else "no SMI counter on this CPU",
+        )
+    ]
+
+
 # --------------------------------------------------------------------------- host result
 
 
@@ -473,12 +743,34 @@ def validate_result(result, source="<result>"):
             out[key] = type(empty)()
         elif not isinstance(value, kind):
             _fail(source, "%r must be a %s, got %s" % (key, kind.__name__, type(value).__name__))
+    virt = out.get("virtualization")
+    if virt is not None and not isinstance(virt, str):
+        _fail(source, "'virtualization' must be systemd-detect-virt's word or null")
+    out["virtualization"] = virt
     out.setdefault("collected_at", None)
     out.setdefault("gate", None)
     cyclictest = out.get("cyclictest")
-    if cyclictest is not None and (not isinstance(cyclictest, dict) or "json" not in cyclictest):
-        _fail(source, "'cyclictest' must be null or an object with the raw document under 'json'")
+    if cyclictest is not None and (
+        not isinstance(cyclictest, dict)
+        or ("json" not in cyclictest and "skipped" not in cyclictest)
+    ):
+        _fail(
+            source,
+            "'cyclictest' must be null, {'skipped': reason} or an object with the raw document "
+            "under 'json'",
+        )
     out["cyclictest"] = cyclictest
+    for tool, raw in (("hwlatdetect", "output"), ("oslat", "json")):
+        entry = out.get(tool)
+        if entry is not None and (
+            not isinstance(entry, dict) or (raw not in entry and "skipped" not in entry)
+        ):
+            _fail(
+                source,
+                "%r must be null, {'skipped': reason} or an object with the tool's raw %s under "
+                "%r" % (tool, "output" if raw == "output" else "document", raw),
+            )
+        out[tool] = entry
     for i, entry in enumerate(out["smoke"]):
         if not isinstance(entry, dict) or "server" not in entry:
             _fail(
@@ -517,50 +809,194 @@ def cyclictest_thresholds(thresholds):
     }
 
 
-def _coverage(parsed, wanted):
-    """A failure when cyclictest measured other CPUs than the post-check asked for."""
+def _measured_cpus(tool, rows, wanted, hint):
+    """A failure when ``tool`` measured other CPUs than the post-check asked for."""
     if not wanted:
         return []
     try:
-        wanted_cpus = parse_cpulist(str(wanted), "cyclictest.cpus")
+        wanted_cpus = parse_cpulist(str(wanted), tool + ".cpus")
     except TopologyError as exc:
         raise PostcheckError(str(exc)) from None
-    measured = sorted({r["cpu"] for r in parsed["cpus"] if r["cpu"] is not None})
+    measured = sorted({r["cpu"] for r in rows if r["cpu"] is not None})
     if measured == wanted_cpus:
         return []
     missing = format_cpulist(set(wanted_cpus) - set(measured))
     return [
-        "cyclictest measured CPUs %s but the post-check asked for %s%s: pass -a <cpus> with "
-        "--threads so every isolated CPU gets a measuring thread"
+        "%s measured CPUs %s but the post-check asked for %s%s: %s so every isolated CPU "
+        "gets a measuring thread"
         % (
+            tool,
             format_cpulist(measured) or "(none pinned)",
             format_cpulist(wanted_cpus),
             " (not measured: %s)" % missing if missing else "",
+            hint,
         )
     ]
 
 
-def gate_host(result):
-    """``{"passed": bool, "failures": [...]}`` for one per-host result.
+def _coverage(parsed, wanted):
+    return _measured_cpus("cyclictest", parsed["cpus"], wanted, "pass -a <cpus> with --threads")
 
-    Combines :func:`gate_cyclictest` (limits from the ``cyclictest_*`` thresholds), each
-    smoke entry's own ``failures`` (shminfer smoke already gated them) and the failed
-    consistency checks. A tuned host without a cyclictest run fails; a baseline may lack one.
+
+# --------------------------------------------------------------------------- settings
+
+# The post-check's own settings, by role variable: (kind, lower bound, allow None).
+# check_settings() refuses bad values before anything runs on a host.
+SETTINGS = {
+    "rtfleet_postcheck_hwlatdetect_duration": ("seconds", 1, False),
+    "rtfleet_postcheck_duration": ("seconds", 1, False),
+    "rtfleet_postcheck_oslat_duration": ("seconds", 1, False),
+    "rtfleet_postcheck_long_run_s": ("seconds", 0, False),
+    "rtfleet_postcheck_hwlatdetect_max_us": ("us", 1, False),
+    "rtfleet_postcheck_hwlatdetect_window_us": ("us", 2, False),
+    "rtfleet_postcheck_hwlatdetect_width_us": ("us", 1, False),
+    "rtfleet_postcheck_cyclictest_max_us": ("us", 1, True),
+    "rtfleet_postcheck_cyclictest_p999_us": ("us", 1, True),
+    "rtfleet_postcheck_cyclictest_min_cycles": ("count", 0, True),
+    "rtfleet_postcheck_interval_us": ("us", 1, False),
+    "rtfleet_postcheck_histogram_us": ("us", 1, False),
+    "rtfleet_postcheck_priority": ("priority", 1, False),
+    "rtfleet_postcheck_oslat_max_us": ("us", 1, True),
+    "rtfleet_postcheck_oslat_priority": ("priority", 0, False),
+    "rtfleet_postcheck_oslat_bucket_size": ("buckets", 4, False),
+    "rtfleet_postcheck_smoke_max_jitter": ("ratio", 0, True),
+}
+_UPPER = {"priority": 99, "buckets": 1024}
+_SETTING_HINT = {
+    "seconds": "a whole number of seconds",
+    "us": "a whole number of microseconds",
+    "count": "a whole number",
+    "priority": "a SCHED_FIFO priority",
+    "buckets": "oslat's bucket count (--bucket-size)",
+    "ratio": "a number (standard deviation / mean)",
+}
+
+
+def check_settings(settings):
+    """One-line errors, each naming its variable, for the post-check's settings.
+
+    ``settings`` maps role variable names (:data:`SETTINGS`) to their values as Ansible
+    hands them over (numbers or numeric strings; None where a gate may be off). Unknown
+    names are an error too (a misspelt variable would otherwise be ignored).
+    """
+    errors = []
+    for name, value in (settings or {}).items():
+        if name not in SETTINGS:
+            errors.append("%s is not a post-check setting this rtfleet knows" % name)
+            continue
+        kind, low, nullable = SETTINGS[name]
+        high = _UPPER.get(kind)
+        hint = _SETTING_HINT[kind]
+        if value is None or (isinstance(value, str) and not value.strip()):
+            if not nullable:
+                errors.append("%s is empty: give %s" % (name, hint))
+            continue
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if kind == "ratio" else int(str(value).strip())
+        except (TypeError, ValueError):
+            errors.append("%s is %r: give %s" % (name, value, hint))
+            continue
+        if number < low or (high is not None and number > high):
+            bound = "%s to %s" % (low, high) if high is not None else "at least %s" % low
+            errors.append("%s is %s: give %s, %s" % (name, value, hint, bound))
+    window = settings.get("rtfleet_postcheck_hwlatdetect_window_us")
+    width = settings.get("rtfleet_postcheck_hwlatdetect_width_us")
+    try:
+        if window is not None and width is not None and int(width) >= int(window):
+            errors.append(
+                "rtfleet_postcheck_hwlatdetect_width_us (%s) must be below "
+                "rtfleet_postcheck_hwlatdetect_window_us (%s): the tracer spins width µs of "
+                "every window" % (width, window)
+            )
+    except (TypeError, ValueError):
+        pass  # reported above
+    return errors
+
+
+# Gates of the trio when the inventory sets none (docs/report.md gives the sources):
+# hwlatdetect 20 µs, OpenShift cnf-tests' default (HWLATDETECT_MAXIMUM_LATENCY; the tool's
+# own default threshold is 10 µs); oslat: the cyclictest limit, like OpenShift's one
+# MAXIMUM_LATENCY for every tool that a tool-specific value overrides.
+DEFAULT_HWLATDETECT_MAX_US = 20
+
+VERDICTS = ("passed", "hardware/firmware", "failed")
+
+
+def hardware_gate(result):
+    """``(parsed or None, failures)`` of a result's hwlatdetect run alone.
+
+    The post-check calls this before anything else runs: a failure here means the host's
+    hardware or firmware stalls the CPUs, and cyclictest, oslat and the smoke test are
+    skipped (OpenShift's order: hwlatdetect first, since OS tuning cannot fix hardware).
     """
     source = result.get("host") if isinstance(result, dict) else None
     result = validate_result(result, str(source or "<result>"))
-    failures = []
+    entry = result.get("hwlatdetect")
+    if entry is None:
+        if result["kind"] == "tuned":
+            return None, [
+                "no hwlatdetect run recorded: the post-check runs it first on a tuned host "
+                "(rtfleet_postcheck_hwlatdetect: false records a skip instead)"
+            ]
+        return None, []
+    if "skipped" in entry:
+        return None, []
+    try:
+        parsed = parse_hwlatdetect(entry["output"])
+    except PostcheckError as exc:
+        return None, [str(exc)]
+    limit = result["thresholds"].get("hwlatdetect_max_us", DEFAULT_HWLATDETECT_MAX_US)
+    try:
+        return parsed, gate_hwlatdetect(parsed, limit)
+    except PostcheckError as exc:
+        return parsed, ["hwlatdetect: %s" % exc]
+
+
+def gate_host(result):
+    """``{"passed": bool, "verdict": str, "failures": [...]}`` for one per-host result.
+
+    In OpenShift's order: hwlatdetect (:func:`hardware_gate`; a failure makes the verdict
+    "hardware/firmware", and the later tools were skipped), then :func:`gate_cyclictest`
+    (limits from the ``cyclictest_*`` thresholds), :func:`gate_oslat`, each smoke entry's
+    own ``failures`` (shminfer smoke already gated them) and the failed consistency
+    checks. A tuned host without a cyclictest run fails; a baseline may lack one. A tool
+    recorded as ``{"skipped": reason}`` is not judged.
+    """
+    source = result.get("host") if isinstance(result, dict) else None
+    result = validate_result(result, str(source or "<result>"))
+    measured, hardware = hardware_gate(result)
+    failures = list(hardware)
+    # The hardware's fault only when hwlatdetect measured it; a run that broke is the run's.
+    hardware_failed = bool(hardware) and measured is not None
     cyclictest = result["cyclictest"]
     if cyclictest is None:
         if result["kind"] == "tuned":
             failures.append("no cyclictest run recorded: the post-check must measure a tuned host")
-    else:
+    elif "skipped" not in cyclictest:
         try:
             parsed = parse_cyclictest(cyclictest["json"])
             failures.extend(_coverage(parsed, cyclictest.get("cpus")))
             failures.extend(gate_cyclictest(parsed, cyclictest_thresholds(result["thresholds"])))
         except PostcheckError as exc:
             failures.append("cyclictest: %s" % exc)
+    oslat = result.get("oslat")
+    if oslat is None:
+        if result["kind"] == "tuned" and not hardware_failed:
+            failures.append(
+                "no oslat run recorded: the post-check runs it after cyclictest on a tuned host "
+                "(rtfleet_postcheck_oslat: false records a skip instead)"
+            )
+    elif "skipped" not in oslat:
+        limit = result["thresholds"].get(
+            "oslat_max_us",
+            result["thresholds"].get("cyclictest_max_us", DEFAULT_THRESHOLDS["max_us"]),
+        )
+        try:
+            failures.extend(gate_oslat(oslat["json"], limit, oslat.get("cpus")))
+        except PostcheckError as exc:
+            failures.append("oslat: %s" % exc)
     for entry in result["smoke"]:
         name = entry.get("server", "?")
         own = [str(f) for f in entry.get("failures") or []]
@@ -571,19 +1007,29 @@ def gate_host(result):
         if not check.get("ok"):
             detail = check.get("detail") or "failed"
             failures.append("consistency %s: %s" % (check.get("check"), detail))
-    return {"passed": not failures, "failures": failures}
+    verdict = "hardware/firmware" if hardware_failed else "failed" if failures else "passed"
+    return {"passed": not failures, "verdict": verdict, "failures": failures}
 
 
 __all__ = [
+    "DEFAULT_HWLATDETECT_MAX_US",
     "DEFAULT_THRESHOLDS",
     "KINDS",
     "SCHEMA_VERSION",
+    "SETTINGS",
+    "VERDICTS",
     "PostcheckError",
+    "check_settings",
     "cyclictest_thresholds",
     "format_percentile",
     "gate_cyclictest",
     "gate_host",
+    "gate_hwlatdetect",
+    "gate_oslat",
+    "hardware_gate",
     "load_result",
     "parse_cyclictest",
+    "parse_hwlatdetect",
+    "parse_oslat",
     "validate_result",
 ]

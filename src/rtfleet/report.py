@@ -28,15 +28,19 @@ import re
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from rtfleet.postcheck import (
+    DEFAULT_HWLATDETECT_MAX_US,
     PostcheckError,
     cyclictest_thresholds,
     format_percentile,
     gate_host,
     load_result,
     parse_cyclictest,
+    parse_hwlatdetect,
+    parse_oslat,
 )
 
 FLEET_SCHEMA_VERSION = 1
@@ -83,6 +87,21 @@ def _evaluate(path, result):
         except PostcheckError as exc:
             ct["error"] = str(exc)
         entry["cyclictest"] = ct
+    entry["virtualization"] = result.get("virtualization")
+    for tool, raw_key, parse in (
+        ("hwlatdetect", "output", parse_hwlatdetect),
+        ("oslat", "json", parse_oslat),
+    ):
+        raw = result.get(tool)
+        if raw is None or "skipped" in raw:
+            entry[tool] = raw
+            continue
+        parsed = {key: value for key, value in raw.items() if key != raw_key}
+        try:
+            parsed.update(parse(raw[raw_key]))
+        except PostcheckError as exc:
+            parsed["error"] = str(exc)
+        entry[tool] = parsed
     gate = gate_host(result)
     entry["gate"] = gate
     recorded = result.get("gate")
@@ -238,21 +257,36 @@ def _safe_name(host):
     return re.sub(r"[^A-Za-z0-9._-]", "_", host)
 
 
-def _max_limit(entry):
-    limit = cyclictest_thresholds(entry["thresholds"]).get("max_us", DEFAULT_MAX_US)
+def _limit(value):
     try:
-        return float(limit) if limit is not None else None
+        return float(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def _max_limit(entry, tool="cyclictest"):
+    """The gate's worst-case limit for ``tool`` (cyclictest or oslat), as gate_host uses it."""
+    ct_limit = cyclictest_thresholds(entry["thresholds"]).get("max_us", DEFAULT_MAX_US)
+    if tool == "oslat":
+        return _limit(entry["thresholds"].get("oslat_max_us", ct_limit))
+    return _limit(ct_limit)
+
+
+# Per tool: the title, the histogram's end in the summary, and what a count is.
+_HIST_TOOLS = {
+    "cyclictest": ("cyclictest latency", "histogram_us", "cycles"),
+    "oslat": ("oslat loop gaps", "bucket_us", "loops"),
+}
 
 
 def _cpu_name(row):
     return str(row["cpu"]) if row["cpu"] is not None else "t%d" % row["thread"]
 
 
-def _plot_histogram(figure, entry, path):
-    ct = entry["cyclictest"]
-    limit = _max_limit(entry)
+def _plot_histogram(figure, entry, path, tool="cyclictest"):
+    ct = entry[tool]
+    title, end_key, counted = _HIST_TOOLS[tool]
+    limit = _max_limit(entry, tool)
     fig = figure()
     ax = fig.add_subplot()
     import numpy as np  # noqa: PLC0415  (a dependency of rtfleet already)
@@ -263,6 +297,7 @@ def _plot_histogram(figure, entry, path):
     # Log-spaced buckets: a tuned host's few µs and a VM's tens of ms fit on one axis, and
     # sparse 1 µs buckets of the tail do not turn into a comb.
     edges = np.unique(np.geomspace(1, max(top, 10), 60).round())
+    hist_us = ct["summary"][end_key]
     for row in rows:
         xs = np.clip([latency for latency, _ in row["histogram"]], 1, None)
         ys = [count for _, count in row["histogram"]]
@@ -271,28 +306,27 @@ def _plot_histogram(figure, entry, path):
         if not many:
             label = "CPU %s" % _cpu_name(row)
             if row["overflows"]:
-                label += " (%d ≥ %d µs)" % (row["overflows"], ct["summary"]["histogram_us"])
+                label += " (%d ≥ %d µs)" % (row["overflows"], hist_us)
         ax.stairs(counts, edges, linewidth=0.6 if many else 1.0, label=label)
-    if limit is not None:
+    if limit is not None and limit <= edges[-1]:
         ax.axvline(limit, color="red", linestyle="--", linewidth=1, label="limit %g µs" % limit)
-    hist_us = ct["summary"]["histogram_us"]
-    if ct["summary"]["overflows"]:
+    if any(row["overflows"] for row in ct["cpus"]):
         ax.axvline(
             hist_us, color="grey", linestyle=":", linewidth=1, label="histogram end %d µs" % hist_us
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("latency (µs, log)")
-    ax.set_ylabel("cycles (log)")
-    ax.set_title("%s: cyclictest latency histogram" % entry["host"])
+    ax.set_ylabel("%s (log)" % counted)
+    ax.set_title("%s: %s histogram" % (entry["host"], title))
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path)
 
 
-def _plot_cpu_max(figure, entry, path):
-    ct = entry["cyclictest"]
-    limit = _max_limit(entry)
+def _plot_cpu_max(figure, entry, path, tool="cyclictest"):
+    ct = entry[tool]
+    limit = _max_limit(entry, tool)
     rows = ct["cpus"]
     fig = figure(max(6.0, min(20.0, 0.3 * len(rows) + 3)), 4.0)
     ax = fig.add_subplot()
@@ -305,8 +339,29 @@ def _plot_cpu_max(figure, entry, path):
         ax.legend(fontsize="small")
     ax.set_xlabel("CPU")
     ax.set_ylabel("max latency (µs)")
-    ax.set_title("%s: cyclictest worst case per CPU" % entry["host"])
+    ax.set_title("%s: %s worst case per CPU" % (entry["host"], tool))
     ax.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path)
+
+
+def _plot_hwlat(figure, entry, path):
+    hw = entry["hwlatdetect"]
+    limit = _limit(entry["thresholds"].get("hwlatdetect_max_us", DEFAULT_HWLATDETECT_MAX_US))
+    fig = figure(8.0, 3.5)
+    ax = fig.add_subplot()
+    samples = hw["samples"]
+    ts = [float(sample["ts"]) for sample in samples]
+    start = min(ts)
+    ax.scatter([t - start for t in ts], [s["inner_us"] for s in samples], s=12, label="inner")
+    ax.scatter([t - start for t in ts], [s["outer_us"] for s in samples], s=12, label="outer")
+    if limit is not None:
+        ax.axhline(limit, color="red", linestyle="--", linewidth=1, label="limit %g µs" % limit)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("gap (µs, log)")
+    ax.set_title("%s: hwlatdetect samples above the threshold" % entry["host"])
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
     fig.savefig(path)
 
 
@@ -345,6 +400,15 @@ def write_plots(hosts, plots_dir):
             if any(row["histogram"] for row in ct["cpus"]):
                 jobs.append(("latency_histogram", "latency-histogram", _plot_histogram))
             jobs.append(("cpu_max", "cpu-max", _plot_cpu_max))
+        hw = entry.get("hwlatdetect")
+        if hw and hw.get("samples"):
+            jobs.append(("hwlat_samples", "hwlat-samples", _plot_hwlat))
+        osl = entry.get("oslat")
+        if osl and "cpus" in osl:
+            jobs.append(
+                ("oslat_histogram", "oslat-histogram", partial(_plot_histogram, tool="oslat"))
+            )
+            jobs.append(("oslat_cpu_max", "oslat-cpu-max", partial(_plot_cpu_max, tool="oslat")))
         if entry["smoke"]:
             jobs.append(("smoke_latency", "smoke-latency", _plot_smoke))
         for key, suffix, plot in jobs:
@@ -519,6 +583,116 @@ def _md_table(header, rows):
     return "\n".join(lines)
 
 
+_OSLAT_COLUMNS = ("CPU", "loops", "min µs", "avg µs", "max µs", "p99 µs", "p99.9 µs")
+_OSLAT_COLUMNS += ("≥ last bucket",)
+_HWLAT_COLUMNS = ("seconds in", "inner µs", "outer µs")
+
+
+def _oslat_cells(row):
+    bucket = row["bucket_us"]
+    return [
+        _cpu_name(row),
+        str(row["loops"]),
+        str(row["min_us"]),
+        "%.3f" % row["avg_us"],
+        str(row["max_us"]),
+        format_percentile(row, "p99", bucket),
+        format_percentile(row, "p999", bucket),
+        str(row["overflows"]),
+    ]
+
+
+def _emulation_note(entry):
+    """A warning sentence when the figures were taken in an emulator or a VM, else None."""
+    virt = entry.get("virtualization")
+    if not virt or virt == "none":
+        return None
+    if virt == "qemu":
+        return (
+            "EMULATED CPU (QEMU TCG, no hardware virtualisation): every figure of this host "
+            "measures an emulator sharing a few host cores. It says nothing about hardware, "
+            "only that the flow ran."
+        )
+    return (
+        "Virtual machine (%s): hwlatdetect measures the hypervisor's stalls, and every "
+        "latency includes the host's scheduling of this VM." % virt
+    )
+
+
+def _tool_blocks(entry):
+    """[(title, sentence, (header, rows) or None)] for hwlatdetect and oslat, in run order."""
+    blocks = []
+    hw = entry.get("hwlatdetect")
+    limit = entry["thresholds"].get("hwlatdetect_max_us", DEFAULT_HWLATDETECT_MAX_US)
+    if hw is not None:
+        if "skipped" in hw:
+            blocks.append(("hwlatdetect", "Not run: %s." % hw["skipped"].rstrip("."), None))
+        elif "error" in hw:
+            blocks.append(("hwlatdetect", "Unreadable: %s" % hw["error"], None))
+        else:
+            sentence = (
+                "%s s on CPUs %s, threshold %s µs (limit %s µs), width %s of every %s µs: "
+                % (
+                    _fmt(hw.get("duration_s")),
+                    hw.get("cpus") or "?",
+                    _fmt(hw.get("threshold_us")),
+                    _fmt(limit),
+                    _fmt(hw.get("width_us")),
+                    _fmt(hw.get("window_us")),
+                )
+            )
+            if hw["samples"]:
+                sentence += "%d samples above the threshold, worst %d µs%s." % (
+                    len(hw["samples"]),
+                    hw["max_us"],
+                    "" if hw.get("smis") is None else ", %d SMIs" % hw["smis"],
+                )
+            else:
+                sentence += "no gap above the threshold."
+            table = None
+            if hw["samples"]:
+                start = min(float(x["ts"]) for x in hw["samples"])
+                worst = sorted(hw["samples"], key=lambda x: -max(x["inner_us"], x["outer_us"]))
+                table = (
+                    _HWLAT_COLUMNS,
+                    [
+                        ["%.3f" % (float(x["ts"]) - start), str(x["inner_us"]), str(x["outer_us"])]
+                        for x in worst[:20]
+                    ],
+                )
+            blocks.append(("hwlatdetect", sentence, table))
+    osl = entry.get("oslat")
+    if osl is not None:
+        if "skipped" in osl:
+            blocks.append(("oslat", "Not run: %s." % osl["skipped"].rstrip("."), None))
+        elif "error" in osl:
+            blocks.append(("oslat", "Unreadable: %s" % osl["error"], None))
+        else:
+            summary = osl["summary"]
+            sentence = "rt-tests %s, %s s on CPUs %s at %s, load: %s, 1 µs buckets to %d µs." % (
+                summary["version"],
+                _fmt(summary["duration_s"]),
+                summary["cpus"],
+                "SCHED_FIFO %s" % osl["priority"] if osl.get("priority") else "SCHED_OTHER",
+                osl.get("load") or "none recorded",
+                summary["bucket_us"],
+            )
+            blocks.append(
+                ("oslat", sentence, (_OSLAT_COLUMNS, [_oslat_cells(r) for r in osl["cpus"]]))
+            )
+    return blocks
+
+
+_PLOTS = (
+    ("hwlat_samples", "hwlatdetect samples"),
+    ("latency_histogram", "cyclictest latency histogram"),
+    ("cpu_max", "cyclictest max latency per CPU"),
+    ("oslat_histogram", "oslat histogram"),
+    ("oslat_cpu_max", "oslat max latency per CPU"),
+    ("smoke_latency", "smoke round trip"),
+)
+
+
 def render_markdown(fleet):
     verdict = fleet["verdict"]
     out = ["# rtfleet post-check report", ""]
@@ -560,9 +734,16 @@ def _host_facts_md(entry):
     ]
     if kernel.get("cmdline"):
         lines.append("- cmdline: `%s`" % kernel["cmdline"].replace("`", "'"))
+    note = _emulation_note(entry)
+    if note:
+        lines.insert(0, "> **%s**" % note)
+        lines.insert(1, "")
     if entry["kind"] == "tuned":
         gate = entry["gate"]
-        lines.append("- gate: %s" % ("passed" if gate["passed"] else "**failed**"))
+        lines.append(
+            "- gate: %s"
+            % ("passed" if gate["passed"] else "**failed** (%s)" % gate.get("verdict", "failed"))
+        )
         lines.extend("  - %s" % failure for failure in gate["failures"])
     if entry["gate_recorded_differs"]:
         lines.append("- note: the gate recorded in the result file differs from this evaluation")
@@ -571,8 +752,15 @@ def _host_facts_md(entry):
 
 def _host_sections_md(entry):
     out = []
+    blocks = _tool_blocks(entry)
+    for title, sentence, table in blocks[:1]:
+        out += ["", "### %s" % title, "", sentence]
+        if table:
+            out += ["", _md_table(*table)]
     ct = entry["cyclictest"]
-    if ct:
+    if ct and "skipped" in ct:
+        out += ["", "### cyclictest", "", "Not run: %s." % ct["skipped"].rstrip(".")]
+    elif ct:
         out += ["", "### cyclictest", ""]
         if "error" in ct:
             out.append("Unreadable: %s" % ct["error"])
@@ -591,6 +779,10 @@ def _host_sections_md(entry):
             out.append("")
             hist_us = summary["histogram_us"]
             out.append(_md_table(_CPU_COLUMNS, [_cpu_cells(r, hist_us) for r in ct["cpus"]]))
+    for title, sentence, table in blocks[1:]:
+        out += ["", "### %s" % title, "", sentence]
+        if table:
+            out += ["", _md_table(*table)]
     if entry["smoke"]:
         out += ["", "### shminfer smoke", ""]
         out.append(_md_table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]]))
@@ -605,11 +797,7 @@ def _host_sections_md(entry):
                 ],
             )
         )
-    for key, title in (
-        ("latency_histogram", "latency histogram"),
-        ("cpu_max", "max latency per CPU"),
-        ("smoke_latency", "smoke round trip"),
-    ):
+    for key, title in _PLOTS:
         if entry.get("plots", {}).get(key):
             out += ["", "![%s %s](%s)" % (entry["host"], title, entry["plots"][key])]
     return out
@@ -694,7 +882,11 @@ def render_html(fleet):
 def _host_html(entry):
     esc = html.escape
     kernel = entry["kernel"] or {}
-    out = ["<ul>"]
+    out = []
+    note = _emulation_note(entry)
+    if note:
+        out.append('<p class="fail">%s</p>' % esc(note))
+    out.append("<ul>")
     out.append("<li>collected: %s</li>" % esc(str(entry["collected_at"] or "?")))
     out.append(
         "<li>kernel: %s, realtime %s</li>"
@@ -707,7 +899,10 @@ def _host_html(entry):
         gate = entry["gate"]
         out.append(
             '<li>gate: <span class="%s">%s</span>'
-            % ("pass" if gate["passed"] else "fail", "passed" if gate["passed"] else "failed")
+            % (
+                "pass" if gate["passed"] else "fail",
+                "passed" if gate["passed"] else "failed (%s)" % gate.get("verdict", "failed"),
+            )
         )
         if gate["failures"]:
             out.append("<ul>%s</ul>" % "".join("<li>%s</li>" % esc(f) for f in gate["failures"]))
@@ -717,8 +912,21 @@ def _host_html(entry):
             "<li>note: the gate recorded in the result file differs from this evaluation</li>"
         )
     out.append("</ul>")
+    blocks = _tool_blocks(entry)
+
+    def html_blocks(chosen):
+        for title, sentence, table in chosen:
+            out.append("<h3>%s</h3>" % esc(title))
+            out.append("<p>%s</p>" % esc(sentence))
+            if table:
+                out.append(_html_table(*table, title))
+
+    html_blocks(blocks[:1])
     ct = entry["cyclictest"]
-    if ct:
+    if ct and "skipped" in ct:
+        out.append("<h3>cyclictest</h3>")
+        out.append("<p>Not run: %s.</p>" % esc(ct["skipped"].rstrip(".")))
+    elif ct:
         out.append("<h3>cyclictest</h3>")
         if "error" in ct:
             out.append("<p>Unreadable: %s</p>" % esc(ct["error"]))
@@ -738,6 +946,7 @@ def _host_html(entry):
             out.append(
                 _html_table(_CPU_COLUMNS, [_cpu_cells(r, hist_us) for r in ct["cpus"]], "cpus")
             )
+    html_blocks(blocks[1:])
     if entry["smoke"]:
         out.append("<h3>shminfer smoke</h3>")
         out.append(_html_table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]], "smoke"))
@@ -753,11 +962,7 @@ def _host_html(entry):
                 "consistency",
             )
         )
-    for key, title in (
-        ("latency_histogram", "latency histogram"),
-        ("cpu_max", "max latency per CPU"),
-        ("smoke_latency", "smoke round trip"),
-    ):
+    for key, title in _PLOTS:
         src = entry.get("plots", {}).get(key)
         if src:
             out.append(

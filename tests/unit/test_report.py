@@ -41,6 +41,8 @@ def _fleet(tmp_path, *, baseline=True, failing=False):
                 "vm1",
                 kind="baseline",
                 cyclictest="hist200-histfile",
+                hwlatdetect=None,
+                oslat=None,
                 smoke=[
                     smoke_entry(
                         "resnet",
@@ -72,9 +74,13 @@ def test_report_writes_every_file(report):
         [
             "epyc1-cpu-max.png",
             "epyc1-latency-histogram.png",
+            "epyc1-oslat-cpu-max.png",
+            "epyc1-oslat-histogram.png",
             "epyc1-smoke-latency.png",
             "epyc2-cpu-max.png",
             "epyc2-latency-histogram.png",
+            "epyc2-oslat-cpu-max.png",
+            "epyc2-oslat-histogram.png",
             "epyc2-smoke-latency.png",
             "vm1-baseline-cpu-max.png",
             "vm1-baseline-latency-histogram.png",
@@ -130,7 +136,12 @@ def test_markdown_has_tables_failures_and_images(report):
     assert "| epyc1 | tuned | 6.18.44-fc-v782 | 2218 | 1170 | 1/1 passed | PASS |" in text
     assert "| 0 | 0 | 3000 | 6 | 28.75 | 876 | 114 | ≥ 200 | 16 |" in text  # epyc2 CPU 0
     assert "  - smoke bert: latency p99 7.100 ms > 5.0 ms" in text
-    assert "![epyc2 max latency per CPU](plots/epyc2-cpu-max.png)" in text
+    assert "![epyc2 cyclictest max latency per CPU](plots/epyc2-cpu-max.png)" in text
+    # the trio: hwlatdetect first (here recorded as skipped), oslat after cyclictest
+    assert text.index("### hwlatdetect") < text.index("### cyclictest") < text.index("### oslat")
+    assert "Not run: the running kernel has no hwlat tracer (test)." in text
+    assert "| 1 | 7927015 | 1 | 1.302 | 354113 | 1 | 1 | 373 |" in text  # oslat CPU 1
+    assert "![epyc2 oslat histogram](plots/epyc2-oslat-histogram.png)" in text
 
 
 def test_before_after_rows_take_the_worst_host_of_each_kind(report):
@@ -335,3 +346,21 @@ def test_smoke_table_says_where_the_client_ran(tmp_path):
     markdown = (tmp_path / "out/report.md").read_text()
     assert "| ccx1 | 2 (pod pool, same node) |" in markdown
     assert "| b | not pinned |" in markdown
+
+
+def test_an_emulated_host_says_its_figures_mean_nothing_about_hardware(tmp_path):
+    result = host_result("lab1")
+    result["virtualization"] = "qemu"
+    vm = host_result("vm2")
+    vm["virtualization"] = "vmware"
+    bare = host_result("metal1")
+    bare["virtualization"] = "none"
+    write_results(tmp_path / "results", [result, vm, bare])
+    build_report(tmp_path / "results", tmp_path / "out", plots=False)
+    text = (tmp_path / "out" / "report.md").read_text()
+    lab = text[text.index("## lab1") : text.index("## metal1")]
+    assert "EMULATED CPU (QEMU TCG" in lab and "says nothing about hardware" in lab
+    metal = text[text.index("## metal1") : text.index("## vm2")]
+    assert "EMULATED" not in metal and "Virtual machine" not in metal
+    assert "Virtual machine (vmware): hwlatdetect measures the hypervisor's stalls" in text
+    assert "EMULATED CPU (QEMU TCG" in (tmp_path / "out" / "report.html").read_text()
