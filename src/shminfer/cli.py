@@ -48,6 +48,19 @@ def _bounded(flag: str, low: int, high: int):
     return parse
 
 
+def _bounded_float(flag: str, low: float, high: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be {low:g}..{high:g}, got {value:g}")
+        return value
+
+    return parse
+
+
 def _node_of(cpus: list[int], root: str = "/") -> int:
     """The memory node for ``cpus``: the NUMA node they all sit on, or, when that node has
     no memory (a socket without DIMMs), the nearest node with memory (rtfleet's topology
@@ -93,7 +106,12 @@ def cmd_serve(args) -> int:
             "slow_wall_ms": args.slow_wall_ms,
         },
     )
-    return run_server(server, metrics_port=args.metrics_port)
+    return run_server(
+        server,
+        metrics_port=args.metrics_port,
+        metrics_textfile=args.metrics_textfile,
+        metrics_every_s=args.metrics_every_s,
+    )
 
 
 def _inputs_for(model: dict, batch: int, rng) -> dict:
@@ -352,6 +370,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=_bounded("--metrics-port", 0, 65535),
         help="serve /metrics on 127.0.0.1:PORT",
+    )
+    serve.add_argument(
+        "--metrics-textfile",
+        metavar="PATH",
+        help="write the metrics to PATH every --metrics-every-s seconds, atomically, for "
+        "node_exporter's textfile collector (PATH ends in .prom, or is linked from its "
+        "directory)",
+    )
+    serve.add_argument(
+        "--metrics-every-s",
+        type=_bounded_float("--metrics-every-s", 0.5, 3600.0),
+        default=10.0,
+        help="how often --metrics-textfile is rewritten (default 10)",
     )
     serve.set_defaults(func=cmd_serve)
 

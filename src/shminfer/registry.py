@@ -135,10 +135,12 @@ def _checked(name, data, path):
     return data
 
 
-def write_registry(name: str, data: dict, mode: int, gid: int | None) -> None:
-    """Atomically (re)place the registry: a random O_EXCL|O_NOFOLLOW temp file, renamed."""
-    path = registry_path(name)
-    mode &= ~0o022  # readable by the group at most, never writable
+def atomic_write(path: str, text: str, mode: int, gid: int | None = None) -> None:
+    """Atomically (re)place path: a random O_EXCL|O_NOFOLLOW temp file beside it, renamed.
+
+    A planted symlink at the temp name or at path is never followed (rename replaces the
+    link itself); the file gets mode (and group gid) before it appears under its name.
+    """
     while True:
         tmp = f"{path}.{secrets.token_hex(8)}.tmp"
         try:
@@ -153,12 +155,17 @@ def write_registry(name: str, data: dict, mode: int, gid: int | None) -> None:
             if gid is not None:
                 os.fchown(handle.fileno(), -1, gid)
             os.fchmod(handle.fileno(), mode)
-            json.dump(data, handle)
+            handle.write(text)
         os.rename(tmp, path)  # replaces a planted symlink itself, never its target
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_registry(name: str, data: dict, mode: int, gid: int | None) -> None:
+    """Atomically (re)place the registry (:func:`atomic_write`), never group-writable."""
+    atomic_write(registry_path(name), json.dumps(data), mode & ~0o022, gid)
 
 
 class NameLock:

@@ -43,6 +43,7 @@ from shminfer.queue import (
 )
 from shminfer.registry import (
     NameLock,
+    atomic_write,
     check_name,
     registry_path,
     remove_stale,
@@ -157,6 +158,11 @@ class Server:
         self._stop = threading.Event()
         self._ctx = multiprocessing.get_context("spawn")
         self._http = None
+        # node_exporter textfile (--metrics-textfile): path, period, when next due
+        self.metrics_textfile = None
+        self.metrics_every_s = 10.0
+        self._metrics_due = 0.0
+        self._metrics_failed = False
         self._lock = None
         self._listener = None
         self._lease_thread = None
@@ -299,6 +305,9 @@ class Server:
                     backoff[cpu] = max(self.backoff_min, backoff[cpu] / 2)
             self.check_deadlines()
             self.reclaim_dead_clients()
+            if self.metrics_textfile and now >= self._metrics_due:
+                self._metrics_due = now + self.metrics_every_s
+                self.write_metrics_textfile()
 
     def check_deadlines(self):
         """Kill a worker whose batch has run past --batch-deadline-s; it is restarted and
@@ -557,8 +566,44 @@ class Server:
         if self._http is not None:
             self._http.shutdown()
             self._http = None
+        if self.metrics_textfile:
+            # Gone with the server: a scrape then sees no file (or the role's dangling
+            # link, node_textfile_scrape_error 1), never figures of a server that stopped.
+            with contextlib.suppress(OSError):
+                os.unlink(self.metrics_textfile)
 
     # ------------------------------------------------------------ metrics
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition text of this server: the rings' percentiles, the
+        worker restarts, how many workers are ready, and when this text was made."""
+        ready = sum(1 for s in self.segments.values() if s.get("worker_state") == WORKER_READY)
+        label = f'{{server="{self.name}"}}'
+        return prometheus_text(self.name, collect(self.segments), restarts=self.restarts) + (
+            "# HELP shminfer_workers_ready Workers of this server ready to serve.\n"
+            "# TYPE shminfer_workers_ready gauge\n"
+            f"shminfer_workers_ready{label} {ready}\n"
+            "# HELP shminfer_workers Workers this server runs (one per CPU).\n"
+            "# TYPE shminfer_workers gauge\n"
+            f"shminfer_workers{label} {len(self.cpus)}\n"
+            "# HELP shminfer_metrics_updated_timestamp_seconds When these figures were written.\n"
+            "# TYPE shminfer_metrics_updated_timestamp_seconds gauge\n"
+            f"shminfer_metrics_updated_timestamp_seconds{label} {time.time():.3f}\n"
+        )
+
+    def write_metrics_textfile(self) -> None:
+        """Replace --metrics-textfile atomically (readable by node_exporter's user); a
+        failure is logged once and retried at the next period, never fatal."""
+        try:
+            atomic_write(self.metrics_textfile, self.metrics_text(), 0o644)
+        except OSError as exc:
+            if not self._metrics_failed:
+                log_event("metrics_textfile_failed", path=self.metrics_textfile, error=exc.strerror)
+            self._metrics_failed = True
+            return
+        if self._metrics_failed:
+            log_event("metrics_textfile_written", path=self.metrics_textfile)
+        self._metrics_failed = False
 
     def serve_metrics(self, port, address="127.0.0.1"):
         server = self
@@ -585,9 +630,22 @@ class Server:
         return self._http.server_address[1]
 
 
-def run_server(server: Server, metrics_port: int | None = None) -> int:
+def run_server(
+    server: Server,
+    metrics_port: int | None = None,
+    metrics_textfile: str | None = None,
+    metrics_every_s: float = 10.0,
+) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
     signal.signal(signal.SIGINT, lambda *_: server._stop.set())
+    if metrics_textfile:
+        directory = os.path.dirname(os.path.abspath(metrics_textfile))
+        if not os.path.isdir(directory):
+            raise QueueError(
+                f"--metrics-textfile {metrics_textfile}: {directory} is not a directory"
+            )
+        server.metrics_textfile = metrics_textfile
+        server.metrics_every_s = metrics_every_s
     server.start()
     try:
         if metrics_port is not None:

@@ -175,3 +175,30 @@ def test_model_files_match_their_checksums(host):
     assert files[MODELS + "/SHA256SUMS"], "no %s/SHA256SUMS" % MODELS
     check = host.run("cd %s && sha256sum --check --strict SHA256SUMS", MODELS)
     assert check.rc == 0, check.stdout + check.stderr
+
+
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+
+
+def test_unit_metrics_reach_node_exporters_textfile_directory(host, rtfleet_plan):
+    """Each unit's metrics file is linked from node_exporter's textfile directory, fresh
+    (rewritten every 15 s), readable by any user and valid for Prometheus' own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for group in _groups(rtfleet_plan):
+        name = group["name"]
+        link = host.file("%s/shminfer_%s.prom" % (TEXTFILE_DIR, name))
+        assert link.is_symlink, "%s is not a link" % link.path
+        assert link.linked_to == "/run/shminfer/%s/metrics.prom" % name
+        age = host.run("echo $(( $(date +%%s) - $(stat -L -c %%Y %s) ))" % link.path).stdout.strip()
+        assert age.isdigit() and int(age) <= 60, "%s is %s s old" % (link.path, age)
+        assert host.file("/run/shminfer/%s/metrics.prom" % name).mode & 0o004
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(link.content_string)
+            for sample in family.samples
+            if sample.labels.get("server") == name and "quantile" not in sample.labels
+        }
+        workers = len(group.get("worker_cpus") or group["cpus"])
+        assert samples["shminfer_workers"] == workers
+        assert samples["shminfer_workers_ready"] == workers

@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from shminfer_serving import CPUS, serving
 
 from shminfer import _sys
@@ -22,7 +23,7 @@ from shminfer.backends import BackendError, make_backend, make_model
 from shminfer.client import Client, InferenceError
 from shminfer.codec import Decoder, Encoder, PayloadError
 from shminfer.queue import FREE, PROCESSING, QueueError, Segment
-from shminfer.registry import registry_path, segment_name
+from shminfer.registry import atomic_write, registry_path, segment_name
 from shminfer.server import Server
 
 
@@ -426,6 +427,10 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
             "off",
             "--metrics-port",
             "0",
+            "--metrics-textfile",
+            str(tmp_path / "shminfer.prom"),
+            "--metrics-every-s",
+            "0.5",
         ),
         stderr=subprocess.PIPE,
         text=True,
@@ -499,9 +504,30 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
                 port = int(json.loads(line)["address"].rsplit(":", 1)[1])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             assert b"shminfer_worker_restarts_total" in resp.read()
+        # The node_exporter textfile: rewritten every 0.5 s, valid exposition text that
+        # Prometheus' own parser reads, world-readable, with the smoke's batches in it.
+        textfile = tmp_path / "shminfer.prom"
+        first = textfile.stat().st_mtime_ns
+        deadline = time.monotonic() + 30
+        while textfile.stat().st_mtime_ns == first and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert textfile.stat().st_mtime_ns != first, "the textfile was not rewritten"
+        assert textfile.stat().st_mode & 0o777 == 0o644
+        samples = {
+            (sample.name, sample.labels.get("quantile")): sample.value
+            for family in text_string_to_metric_families(textfile.read_text())
+            for sample in family.samples
+            if sample.labels.get("server") == name
+        }
+        assert samples[("shminfer_workers_ready", None)] == 1.0
+        assert samples[("shminfer_workers", None)] == 1.0
+        assert samples[("shminfer_batches", None)] >= 300
+        assert ("shminfer_deschedule_ms", "0.999") in samples
+        assert abs(samples[("shminfer_metrics_updated_timestamp_seconds", None)] - time.time()) < 30
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(30) == 0
+    assert not (tmp_path / "shminfer.prom").exists(), "a stopped server left its metrics"
     assert not os.path.exists(registry_path(name))
     assert not os.path.exists(f"/dev/shm/{segment_name(name, CPUS[-1])}")
 
@@ -535,3 +561,17 @@ def test_serve_binds_memory_of_a_memoryless_node_to_the_nearest_node(trees):
     with_memory = next(n for n in topology["numa_nodes"] if n["has_memory"] and n["cpus"])
     assert _node_of(memoryless["cpus"][:2], root) == memoryless["memory_node"] != memoryless["id"]
     assert _node_of(with_memory["cpus"][:2], root) == with_memory["id"]
+
+
+def test_atomic_write_never_follows_a_planted_link(tmp_path):
+    """The metrics textfile and the registry are written the same way: a link planted at
+    the path (or a victim file behind it) is replaced, never written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "shminfer.prom"
+    target.symlink_to(victim)
+    atomic_write(str(target), "shminfer_workers 1\n", 0o644)
+    assert victim.read_text() == "precious"
+    assert not target.is_symlink() and target.read_text() == "shminfer_workers 1\n"
+    assert target.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shminfer.prom", "victim"]
