@@ -12,12 +12,11 @@ import numpy as np
 from shminfer.backends import BACKENDS, BackendError, make_model
 from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
-from shminfer.metrics import cpu_measured, summarize
+from shminfer.metrics import slow_batches, summarize
 from shminfer.queue import (
     CPU_EXACT_NS,
     MAX_SLOT_BYTES,
     MAX_SLOTS,
-    RING_FIELDS,
     QueueError,
 )
 from shminfer.registry import read_registry
@@ -135,10 +134,6 @@ def _connect(args) -> Client:
             time.sleep(0.1)
 
 
-_CPU_COL = RING_FIELDS.index("process_cpu_ns")
-_WALL_COL = RING_FIELDS.index("wall_ns")
-
-
 def cmd_smoke(args) -> int:
     if args.max_deschedule_p999_ms < CPU_EXACT_NS / 1e6:
         # Below it, a short batch's deschedule is an upper bound (its wall time), not exact.
@@ -186,17 +181,7 @@ def cmd_smoke(args) -> int:
         "latency_jitter": float(lat.std() / lat.mean())
         if lat.size > 1 and lat.mean() > 0
         else None,
-        "slow_infer": int(
-            (
-                (
-                    (records[:, _CPU_COL] > args.slow_cpu_ms * 1e6)
-                    & cpu_measured(records[:, _CPU_COL])
-                )
-                | (records[:, _WALL_COL] > args.slow_wall_ms * 1e6)
-            ).sum()
-        )
-        if records.size
-        else 0,
+        "slow_infer": slow_batches(records, args.slow_cpu_ms, args.slow_wall_ms),
         **{k: v for k, v in summary.items() if k != "samples"},
     }
     failures = []
@@ -293,13 +278,11 @@ def _print_smoke(result):
 
 
 def cmd_stats(args) -> int:
-    from shminfer.metrics import prometheus_text  # noqa: PLC0415
+    from shminfer.metrics import collect, prometheus_text  # noqa: PLC0415
 
     sock, answer, segments = attach(args.name, 0, args.timeout)
-    per_cpu = {}
     try:
-        for worker, segment in zip(answer["workers"], segments):
-            per_cpu[worker["cpu"]] = summarize(segment.ring_read()[0])
+        per_cpu = collect({w["cpu"]: seg for w, seg in zip(answer["workers"], segments)})
     finally:
         for segment in segments:
             segment.close()

@@ -30,6 +30,24 @@ def cpu_measured(cpu_ns: np.ndarray) -> np.ndarray:
     return cpu_ns < _NOT_MEASURED_F
 
 
+# A worker's slow_infer thresholds unless it was given others (worker.py's defaults).
+SLOW_CPU_MS = 100.0
+SLOW_WALL_MS = 200.0
+_CPU_COL = RING_FIELDS.index("process_cpu_ns")
+_WALL_COL = RING_FIELDS.index("wall_ns")
+
+
+def slow_batches(
+    records: np.ndarray, slow_cpu_ms: float = SLOW_CPU_MS, slow_wall_ms: float = SLOW_WALL_MS
+) -> int:
+    """Batches whose measured CPU time or wall time crossed the slow_infer thresholds."""
+    if records.size == 0:
+        return 0
+    cpu = records[:, _CPU_COL]
+    slow_cpu = (cpu > slow_cpu_ms * 1e6) & cpu_measured(cpu)
+    return int((slow_cpu | (records[:, _WALL_COL] > slow_wall_ms * 1e6)).sum())
+
+
 def summarize(records: np.ndarray) -> dict:
     """Percentiles and ratios of ring records (rows of RING_FIELDS)."""
     if records.size == 0:
@@ -69,9 +87,17 @@ def _qname(q: float) -> str:
     return {0.5: "50", 0.99: "99", 0.999: "999"}[q]
 
 
-def collect(segments: dict) -> dict:
-    """{cpu: summary} for every worker segment (reads the whole ring)."""
-    return {cpu: summarize(segment.ring_read()[0]) for cpu, segment in segments.items()}
+def collect(
+    segments: dict, slow_cpu_ms: float = SLOW_CPU_MS, slow_wall_ms: float = SLOW_WALL_MS
+) -> dict:
+    """{cpu: summary} for every worker segment (reads the whole ring), with the count of
+    slow_infer batches in that window."""
+    out = {}
+    for cpu, segment in segments.items():
+        records = segment.ring_read()[0]
+        out[cpu] = summarize(records)
+        out[cpu]["slow_infer"] = slow_batches(records, slow_cpu_ms, slow_wall_ms)
+    return out
 
 
 def prometheus_text(name: str, per_cpu: dict, restarts: dict | None = None) -> str:
@@ -106,6 +132,12 @@ def prometheus_text(name: str, per_cpu: dict, restarts: dict | None = None) -> s
         "gauge",
         "Batches in the ring window.",
         [({"server": name, "cpu": cpu}, s.get("batches", 0)) for cpu, s in per_cpu.items()],
+    )
+    metric(
+        "slow_infer_batches",
+        "gauge",
+        "Batches in the ring window over the worker's slow_infer CPU or wall threshold.",
+        [({"server": name, "cpu": cpu}, s.get("slow_infer", 0)) for cpu, s in per_cpu.items()],
     )
     metric(
         "cpu_ratio",

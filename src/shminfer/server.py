@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from shminfer import _sys
 from shminfer.backends import BackendError, check_model
-from shminfer.metrics import collect, prometheus_text
+from shminfer.metrics import SLOW_CPU_MS, SLOW_WALL_MS, collect, prometheus_text
 from shminfer.queue import (
     FREE,
     PROCESSING,
@@ -579,7 +579,12 @@ class Server:
         worker restarts, how many workers are ready, and when this text was made."""
         ready = sum(1 for s in self.segments.values() if s.get("worker_state") == WORKER_READY)
         label = f'{{server="{self.name}"}}'
-        return prometheus_text(self.name, collect(self.segments), restarts=self.restarts) + (
+        per_cpu = collect(
+            self.segments,
+            self.worker_options.get("slow_cpu_ms", SLOW_CPU_MS),
+            self.worker_options.get("slow_wall_ms", SLOW_WALL_MS),
+        )
+        return prometheus_text(self.name, per_cpu, restarts=self.restarts) + (
             "# HELP shminfer_workers_ready Workers of this server ready to serve.\n"
             "# TYPE shminfer_workers_ready gauge\n"
             f"shminfer_workers_ready{label} {ready}\n"
@@ -613,9 +618,7 @@ class Server:
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404)
                     return
-                body = prometheus_text(
-                    server.name, collect(server.segments), restarts=server.restarts
-                ).encode()
+                body = server.metrics_text().encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))

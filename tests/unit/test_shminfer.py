@@ -522,6 +522,7 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
         assert samples[("shminfer_workers_ready", None)] == 1.0
         assert samples[("shminfer_workers", None)] == 1.0
         assert samples[("shminfer_batches", None)] >= 300
+        assert samples[("shminfer_slow_infer_batches", None)] == 0
         assert ("shminfer_deschedule_ms", "0.999") in samples
         assert abs(samples[("shminfer_metrics_updated_timestamp_seconds", None)] - time.time()) < 30
     finally:
