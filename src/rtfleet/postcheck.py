@@ -656,7 +656,13 @@ def parse_hwlatdetect(text):
             )
     if not finished or "max_us" not in out:
         reason = next((line for line in reversed(lines) if line), "no output")
-        if "not available" in reason or "DetectorNotAvailable" in reason:
+        if "Errno 75" in reason or "Value too large" in reason:
+            reason += (
+                " (the kernel refused a cpumask written as one hex word, which happens for any "
+                "CPU >= 32: hwlatdetect's own --cpu-list does that; the post-check's runner "
+                "writes tracing_cpumask in 32-bit comma groups instead)"
+            )
+        elif "not available" in reason or "DetectorNotAvailable" in reason:
             reason += (
                 " (the kernel has no hwlat tracer: it needs CONFIG_HWLAT_TRACER, which Debian's "
                 "kernels have; or set rtfleet_postcheck_hwlatdetect: false)"

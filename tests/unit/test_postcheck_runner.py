@@ -136,3 +136,12 @@ def test_hwlatdetect_runner_says_the_kernel_has_no_tracer_and_restores_tracefs(t
     assert "no hwlat tracer" in text or "no tracefs" in text, text
     with open("/proc/mounts") as fh:
         assert fh.read().count(" tracefs ") == before, "the runner left a tracefs mount behind"
+
+
+def test_hwlatdetect_runner_writes_the_kernels_comma_grouped_mask_past_cpu_31(tmp_path):
+    # The server-shaped lab host's isolated CPUs: hwlatdetect's own --cpu-list wrote
+    # "ffcffcffcffc" there and the kernel refused it (fixtures/hwlatdetect/README.md).
+    text = _render(tmp_path, "run-hwlatdetect", cpus="2-11,14-23,26-35,38-47").read_text()
+    assert 'echo ffcf,fcffcffc >"$tracing/tracing_cpumask"' in text
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if "--cpu-list" in line]

@@ -7,15 +7,19 @@ outputs are real runs on a lab guest's PREEMPT_RT kernel (tests/fixtures/hwlatde
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from postcheck_results import host_result, oslat_doc
+from postcheck_results import host_result, hwlatdetect_output, oslat_doc
 
 from rtfleet.postcheck import (
     PostcheckError,
     check_settings,
     gate_host,
+    gate_hwlatdetect,
     gate_oslat,
+    hardware_gate,
+    parse_hwlatdetect,
     parse_oslat,
 )
 
@@ -165,3 +169,84 @@ def test_settings_are_checked_by_name_before_anything_runs():
     assert check_settings({"rtfleet_postcheck_oslat_duraton": 3}) == [
         "rtfleet_postcheck_oslat_duraton is not a post-check setting this rtfleet knows"
     ]
+
+
+# --------------------------------------------------------------------------- hwlatdetect
+
+
+def test_hwlatdetect_capture_over_its_threshold():
+    parsed = parse_hwlatdetect(hwlatdetect_output("rt-tcg-over-20us"))
+    assert parsed["duration_s"] == 10 and parsed["threshold_us"] == 20
+    assert parsed["window_us"] == 1000000 and parsed["width_us"] == 100000
+    assert parsed["max_us"] == 35086 and parsed["exceeding"] == 10
+    assert len(parsed["samples"]) == 10 and parsed["smis"] is None
+    assert parsed["samples"][1] == {
+        "ts": "1796167571.840253777",
+        "inner_us": 11001,
+        "outer_us": 35086,
+    }
+    (failure,) = gate_hwlatdetect(parsed, 20)
+    assert failure.startswith(
+        "hwlatdetect: hardware/firmware latency 35086 µs exceeds the 20 µs limit (10 samples "
+        "over 10 s; no SMI counter on this CPU): no OS tuning removes this"
+    )
+    assert gate_hwlatdetect(parsed, 40000) == []
+
+
+def test_hwlatdetect_below_threshold_is_a_pass():
+    parsed = parse_hwlatdetect(hwlatdetect_output("rt-tcg-below-threshold"))
+    assert parsed["max_us"] == 0 and parsed["samples"] == [] and parsed["exceeding"] == 0
+    assert gate_hwlatdetect(parsed, 300000) == []
+    # A limit below the threshold it ran with cannot be judged: a gap between the two
+    # would not have been recorded.
+    (failure,) = gate_hwlatdetect(parsed, 20)
+    assert "ran with --threshold 300000 µs, above the 20 µs limit" in failure
+
+
+def test_hwlatdetects_own_cpulist_above_cpu_31_is_explained():
+    with pytest.raises(PostcheckError) as err:
+        parse_hwlatdetect(hwlatdetect_output("rt-own-cpulist-above-31"))
+    message = str(err.value)
+    assert message.startswith("hwlatdetect did not finish: OSError: [Errno 75]")
+    assert "CPU >= 32" in message and "32-bit comma groups" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "hwlatdetect did not finish: no output"),
+        (
+            "hwlatdetect:  test duration 10 seconds\nStarting test\n",
+            "did not finish: Starting test",
+        ),
+        (
+            "the running kernel 6.1.0-57-amd64 has no hwlat tracer (CONFIG_HWLAT_TRACER; "
+            "available: nop)",
+            "has no hwlat tracer",
+        ),
+        ("test finished\nMax Latency: lots\n", "max latency is 'lots'"),
+        ("test finished\nMax Latency: 3us\nts: 1.0, inner:x, outer:2\n", "sample inner"),
+        (b"\xff\xfe", "did not finish"),
+    ],
+)
+def test_broken_hwlatdetect_output_says_what_is_wrong(text, message):
+    with pytest.raises(PostcheckError, match=re.escape(message)):
+        parse_hwlatdetect(text)
+
+
+def test_failed_hwlatdetect_makes_the_host_hardware_and_the_rest_skipped():
+    result = host_result(hwlatdetect="rt-tcg-over-20us", oslat="skipped", smoke=[])
+    result["cyclictest"] = {"skipped": "hwlatdetect failed first"}
+    gate = gate_host(result)
+    assert gate["verdict"] == "hardware/firmware" and not gate["passed"]
+    assert len(gate["failures"]) == 1  # the skipped tools add nothing
+    assert gate["failures"][0].startswith("hwlatdetect: hardware/firmware latency 35086 µs")
+    # the post-check's first look, before anything else ran, agrees
+    parsed, failures = hardware_gate(result)
+    assert parsed["max_us"] == 35086 and failures == gate["failures"]
+
+
+def test_a_broken_hwlatdetect_run_fails_but_is_not_blamed_on_the_hardware():
+    gate = gate_host(host_result(hwlatdetect="rt-own-cpulist-above-31"))
+    assert gate["verdict"] == "failed"
+    assert gate["failures"][0].startswith("hwlatdetect did not finish")
