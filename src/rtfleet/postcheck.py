@@ -854,6 +854,7 @@ SETTINGS = {
     "rtfleet_postcheck_oslat_duration": ("seconds", 1, False),
     "rtfleet_postcheck_long_run_s": ("seconds", 0, False),
     "rtfleet_postcheck_hwlatdetect_max_us": ("us", 1, False),
+    "rtfleet_postcheck_hwlatdetect_threshold_us": ("us", 1, False),
     "rtfleet_postcheck_hwlatdetect_window_us": ("us", 2, False),
     "rtfleet_postcheck_hwlatdetect_width_us": ("us", 1, False),
     "rtfleet_postcheck_cyclictest_max_us": ("us", 1, True),
@@ -907,6 +908,17 @@ def check_settings(settings):
         if number < low or (high is not None and number > high):
             bound = "%s to %s" % (low, high) if high is not None else "at least %s" % low
             errors.append("%s is %s: give %s, %s" % (name, value, hint, bound))
+    limit = settings.get("rtfleet_postcheck_hwlatdetect_max_us")
+    threshold = settings.get("rtfleet_postcheck_hwlatdetect_threshold_us")
+    try:
+        if limit is not None and threshold is not None and int(threshold) > int(limit):
+            errors.append(
+                "rtfleet_postcheck_hwlatdetect_threshold_us (%s) must not be above "
+                "rtfleet_postcheck_hwlatdetect_max_us (%s): a gap between the two would go "
+                "unrecorded" % (threshold, limit)
+            )
+    except (TypeError, ValueError):
+        pass  # reported above
     window = settings.get("rtfleet_postcheck_hwlatdetect_window_us")
     width = settings.get("rtfleet_postcheck_hwlatdetect_width_us")
     try:

@@ -166,6 +166,15 @@ def test_settings_are_checked_by_name_before_anything_runs():
         "rtfleet_postcheck_hwlatdetect_window_us (1000000): the tracer spins width µs of every "
         "window",
     ]
+    assert check_settings(
+        {
+            "rtfleet_postcheck_hwlatdetect_max_us": 20,
+            "rtfleet_postcheck_hwlatdetect_threshold_us": 30,
+        }
+    ) == [
+        "rtfleet_postcheck_hwlatdetect_threshold_us (30) must not be above "
+        "rtfleet_postcheck_hwlatdetect_max_us (20): a gap between the two would go unrecorded"
+    ]
     assert check_settings({"rtfleet_postcheck_oslat_duraton": 3}) == [
         "rtfleet_postcheck_oslat_duraton is not a post-check setting this rtfleet knows"
     ]
