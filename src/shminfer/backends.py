@@ -84,36 +84,44 @@ class EchoBackend(Backend):
         if out is not None and len(out) == 1:
             # The response slot's own array, when its layout is this answer's: one copy.
             y = out.get("y")
-            halves = self._by_out.get(id(y))
-            if halves is None or halves[0] is not y or halves[1] is not x:
-                halves = self._split(y, x)
-            if halves is not None:
-                halves[2][...] = x
-                halves[3][...] = x
+            pair = self._by_out.get(id(y))
+            if pair is None or pair[0] is not y or pair[1] is not x:
+                pair = self._pair(y, x)
+            if pair is not None:
+                pair[2][...] = pair[3]  # both halves in one numpy assignment
                 return out
-        # Reuse the output buffer (and its two halves), as an inference engine reuses its
-        # output tensors: the same input shape and dtype again costs the two copies only.
+        # Reuse the output buffer, as an inference engine reuses its output tensors: the
+        # same input shape and dtype again costs the one assignment only.
         cached = self._cached
         if cached is None or cached[0] != x.shape or cached[1] is not x.dtype:
-            shape = (*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,)
-            y = np.empty(shape, x.dtype)
-            width = x.shape[-1] if x.ndim else 1
-            cached = self._cached = (x.shape, x.dtype, y, y[..., :width], y[..., width:])
-        cached[3][...] = x
-        cached[4][...] = x
+            y = np.empty((*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,), x.dtype)
+            cached = self._cached = [x.shape, x.dtype, y, *self._halves(y, x), x]
+        elif cached[5] is not x:
+            cached[4], cached[5] = self._halves(cached[2], x)[1], x
+        cached[3][...] = cached[4]
         return {"y": cached[2]}
 
-    def _split(self, y, x):
-        """(y, x, first half, second half) when ``y`` is the echo of ``x``'s shape and dtype
-        (cached by ``y``: the slot's arrays live as long as the worker), else None."""
+    @staticmethod
+    def _halves(y, x):
+        """(y as [..., 2, width], x as [..., 1, width]): one broadcast assignment of the
+        second into the first writes both halves of the echo (views: no copy here)."""
+        if not x.ndim:
+            return y.reshape(2, 1), x.reshape(1, 1)
+        return y.reshape(*x.shape[:-1], 2, x.shape[-1]), x[..., None, :]
+
+    def _pair(self, y, x):
+        """(y, x, y's halves view, x's broadcast view) when ``y`` is the echo of ``x``'s
+        shape and dtype (cached by ``y``: the slot's arrays live as long as the worker),
+        else None. ``y`` is the response slot's C-contiguous array (Encoder.out_views)."""
         if type(y) is not np.ndarray or type(x) is not np.ndarray or y.dtype != x.dtype:
             return None
         if y.shape != ((*x.shape[:-1], 2 * x.shape[-1]) if x.ndim else (2,)):
             return None
-        width = x.shape[-1] if x.ndim else 1
+        if not y.flags.c_contiguous:
+            return None
         if len(self._by_out) >= 4096:
             self._by_out.clear()
-        self._by_out[id(y)] = entry = (y, x, y[..., :width], y[..., width:])
+        self._by_out[id(y)] = entry = (y, x, *self._halves(y, x))
         return entry
 
 
