@@ -174,3 +174,41 @@ def test_the_c_port_refuses_a_geometry_outside_its_mapping_and_layouts_outside_a
         del good
     finally:
         seg.close()
+
+
+def test_the_c_port_writes_large_inputs_byte_for_byte_as_the_encoder():
+    # Inputs of 4 KiB and more go out with streaming stores (x86-64): the same bytes as
+    # the encoder's, whatever the length's tail and the source's alignment.
+    fast = pytest.importorskip("shminfer._fast")
+    seg = Segment.create(f"portbig{os.getpid()}", slot_count=2, request_bytes=1 << 16)
+    try:
+        offsets = (seg.states_off, seg.table_off, seg.requests_off, seg.responses_off, seg.ring_off)
+        port = fast.port(
+            (memoryview(seg.mm),),
+            _sys.address_of(seg.mm),
+            len(seg.mm),
+            seg.geometry,
+            offsets,
+            np.ndarray,
+        )
+        rng = np.random.default_rng(3)
+        raw = rng.integers(0, 256, 40_000, dtype=np.uint8)
+        for size in (4096, 4097, 16_404, 20_000 - 63):
+            request = seg.request_view(0)
+            first = {"a": raw[:size].copy(), "b": raw[:5000].view(np.float32)[:1000].copy()}
+            encoder = Encoder()
+            encoder.encode_into(request, first, slot=0)
+            spec, header, total, dests = encoder.cached(request, 0)
+            columns = tuple(tuple(column) for column in zip(*spec))
+            port.learn_send(0, *columns, tuple(dests), header, total)
+            # A source one byte off alignment, and one at the buffer's start.
+            inputs = {"a": raw[1 : size + 1], "b": raw[8:4008].view(np.float32)}
+            request[:total] = b"\xee" * total  # nothing of the last request left
+            expected = bytearray(request)
+            assert port.send(0, inputs, 9) == total
+            Encoder().encode_into(memoryview(expected), inputs)
+            assert bytes(request[:total]) == bytes(expected[:total]), size
+            seg.state_words[0] = 0
+        del port
+    finally:
+        seg.close()
