@@ -756,7 +756,9 @@ static PyType_Spec loop_spec = {
  * byte for byte the one the Python decoder validated. The views returned are the
  * decoder's own (inside the slot whatever a peer writes later). A mismatch of any of them
  * is not judged here: the Python client reads the words afresh and decides. send reads
- * nothing a peer can write (its inputs are the caller's own arrays). */
+ * nothing a peer can write (its inputs are the caller's own arrays); start (send with
+ * Client.start's slot, tag and Pending) reads the header's worker state word, once, and
+ * goes on only when it is READY (anything else: None, the Python client decides). */
 
 struct send_cache {
     Py_ssize_t count;
@@ -783,9 +785,24 @@ typedef struct {
     struct geometry geo;
     struct send_cache *send;
     struct recv_cache *recv;
+    /* bind(): the client's lane (see port_bind) */
+    PyObject *free, *counter, *lane_index, *lane_ref, *pending;
+    uint64_t *generation; /* per slot: 1 << 32 | lease generation when leased to the lane */
 } Port;
 
+#define ST_FREE 0u
 #define ST_WRITING 1u
+#define H_WORKER_STATE 44
+#define WORKER_READY 1u
+
+static void port_unbind_refs(Port *self)
+{
+    Py_CLEAR(self->free);
+    Py_CLEAR(self->counter);
+    Py_CLEAR(self->lane_index);
+    Py_CLEAR(self->lane_ref);
+    Py_CLEAR(self->pending);
+}
 #define MAX_PORT_ARRAYS 64
 
 static PyObject *port_type;
@@ -912,6 +929,8 @@ static void port_dealloc(PyObject *obj)
         recv_clear(&self->recv[i]);
     PyMem_Free(self->send);
     PyMem_Free(self->recv);
+    PyMem_Free(self->generation);
+    port_unbind_refs(self);
     Py_XDECREF(self->keep);
     Py_XDECREF(self->ndarray);
     ((freefunc)PyType_GetSlot(type, Py_tp_free))(obj);
@@ -941,7 +960,8 @@ static PyObject *fast_port(PyObject *module, PyObject *args)
     self->geo = geo;
     self->send = PyMem_Calloc((size_t)geo.slot_count, sizeof(struct send_cache));
     self->recv = PyMem_Calloc((size_t)geo.slot_count, sizeof(struct recv_cache));
-    if (!self->send || !self->recv) {
+    self->generation = PyMem_Calloc((size_t)geo.slot_count, sizeof(uint64_t));
+    if (!self->send || !self->recv || !self->generation) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -1077,62 +1097,57 @@ static inline int same(PyObject *a, PyObject *b)
     return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* send(index, inputs, seq) -> payload length, or None (not the learned layout: nothing
- * was written). Encoder.encode_into's reuse test (the same names in order, exact ndarrays,
- * equal dtypes and shapes), then WRITING, the header, one copy per array (numpy's own
- * assignment), request_len, seq, enqueue_ns, READY and the doorbell, as Client.start. */
-static PyObject *port_send(PyObject *obj, PyObject *args)
+/* Encoder.encode_into's reuse test for slot cache ``c``: the same names in order, exact
+ * ndarrays, equal dtypes and shapes. 1 (the arrays in ``values``, borrowed), 0 (not the
+ * learned layout) or -1 (an error). Only exact str keys and exact ndarrays: no Python code
+ * runs while the dict is walked (the comparisons are str's and numpy's own). */
+static int send_match(Port *self, struct send_cache *c, PyObject *inputs, PyObject **values)
 {
-    Port *self = (Port *)obj;
-    PyObject *index_obj, *inputs, *key, *value, *attr, *values[MAX_PORT_ARRAYS];
-    unsigned long long seq;
-    uint32_t index;
-    Py_ssize_t pos = 0, i = 0, n;
-    struct send_cache *c;
-    uintptr_t slot, request, state;
+    PyObject *key, *value, *attr;
+    Py_ssize_t pos = 0, i = 0;
     int r;
-    if (!PyArg_ParseTuple(args, "OOK", &index_obj, &inputs, &seq) ||
-        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0)
-        return NULL;
-    c = &self->send[index];
     if (!c->names || !PyDict_CheckExact(inputs) || PyDict_Size(inputs) != c->count)
-        Py_RETURN_NONE;
-    /* Only exact str keys and exact ndarrays: no Python code runs while the dict is
-     * walked (the comparisons are str's and numpy's own). */
+        return 0;
     while (PyDict_Next(inputs, &pos, &key, &value)) {
         if (i >= c->count || !PyUnicode_CheckExact(key) ||
             Py_TYPE(value) != (PyTypeObject *)self->ndarray)
-            Py_RETURN_NONE;
+            return 0;
         r = same(key, PyTuple_GetItem(c->names, i));
         if (r <= 0)
-            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+            return r;
         attr = PyObject_GetAttr(value, str_dtype);
         if (!attr)
-            return NULL;
+            return -1;
         r = same(attr, PyTuple_GetItem(c->dtypes, i));
         Py_DECREF(attr);
         if (r <= 0)
-            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+            return r;
         attr = PyObject_GetAttr(value, str_shape);
         if (!attr)
-            return NULL;
+            return -1;
         r = same(attr, PyTuple_GetItem(c->shapes, i));
         Py_DECREF(attr);
         if (r <= 0)
-            return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+            return r;
         values[i++] = value;
     }
-    if (i != c->count)
-        Py_RETURN_NONE;
-    n = i;
-    slot = geo_slot(&self->geo, index);
-    request = geo_request(&self->geo, index);
-    state = geo_state(&self->geo, index);
+    return i == c->count;
+}
+
+/* The write of a matched request (send_match): WRITING, the header, one copy per array,
+ * request_len, seq, enqueue_ns, READY and the doorbell, as Client.start. -1 on an error
+ * (the state is left WRITING: the caller frees the slot, as after a failed encode). */
+static int send_write(Port *self, uint32_t index, struct send_cache *c, PyObject **values,
+                      uint64_t seq)
+{
+    Py_ssize_t i, n = c->count;
+    uintptr_t slot = geo_slot(&self->geo, index), request = geo_request(&self->geo, index);
+    uintptr_t state = geo_state(&self->geo, index);
+    int r = 0;
     __atomic_store_n((uint32_t *)state, ST_WRITING, __ATOMIC_RELAXED);
     memcpy((void *)request, c->header_data, (size_t)c->header_len);
     for (i = 0; i < n; i++)
         Py_INCREF(values[i]);
-    r = 0;
     for (i = 0; i < n && r == 0; i++) {
         PyObject *capsule = NULL;
         uintptr_t addr;
@@ -1140,7 +1155,7 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
         if (!c->spans[2 * i + 1])
             continue; /* an empty array: nothing to copy */
         /* One block of exactly the learned length (the same dtype and shape, checked
-         * above): a memcpy into the learned span of this slot. Anything else (a strided
+         * before): a copy into the learned span of this slot. Anything else (a strided
          * view, a broken capsule): numpy's own assignment into the learned view. */
         r = array_span(values[i], &capsule, &addr, &len);
         if (r == 1 && len == c->spans[2 * i + 1]) {
@@ -1155,13 +1170,166 @@ static PyObject *port_send(PyObject *obj, PyObject *args)
         Py_DECREF(values[i]);
     copy_fence();
     if (r < 0)
-        return NULL; /* the caller frees the slot, as after a failed encode */
+        return -1;
     *(volatile uint32_t *)(slot + S_REQUEST_LEN) = (uint32_t)c->total;
-    *(volatile uint64_t *)(slot + S_SEQ) = (uint64_t)seq;
+    *(volatile uint64_t *)(slot + S_SEQ) = seq;
     *(volatile uint64_t *)(slot + S_ENQUEUE_NS) = monotonic_ns();
     __atomic_store_n((uint32_t *)state, ST_READY, __ATOMIC_RELEASE);
     doorbell(self->geo.base);
+    return 0;
+}
+
+/* send(index, inputs, seq) -> payload length, or None (not the learned layout: nothing
+ * was written): send_match, then send_write. */
+static PyObject *port_send(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *index_obj, *inputs, *values[MAX_PORT_ARRAYS];
+    unsigned long long seq;
+    uint32_t index;
+    struct send_cache *c;
+    int r;
+    if (!PyArg_ParseTuple(args, "OOK", &index_obj, &inputs, &seq) ||
+        slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0)
+        return NULL;
+    c = &self->send[index];
+    r = send_match(self, c, inputs, values);
+    if (r <= 0)
+        return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    if (send_write(self, index, c, values, (uint64_t)seq) < 0)
+        return NULL; /* the caller frees the slot, as after a failed encode */
     return PyLong_FromUnsignedLongLong((unsigned long long)c->total);
+}
+
+/* bind(free, generations, counter, lane_index, lane_ref, pending): what start and finish
+ * need of the client's lane: its free list (a list of slot indices, the client's own
+ * memory), each leased slot's lease generation ({index: generation}), the client's tag
+ * counter (an iterator of ints), this lane's index, a weak reference to the lane and the
+ * Pending class. unbind() drops them. */
+static PyObject *port_bind(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *free_list, *generations, *counter, *lane_index, *lane_ref, *pending, *key, *value;
+    Py_ssize_t pos = 0;
+    uint32_t index;
+    if (!PyArg_ParseTuple(args, "O!O!OOOO", &PyList_Type, &free_list, &PyDict_Type, &generations,
+                          &counter, &lane_index, &lane_ref, &pending))
+        return NULL;
+    if (!PyIter_Check(counter) || !PyCallable_Check(pending) || !PyWeakref_Check(lane_ref)) {
+        PyErr_SetString(PyExc_TypeError, "shminfer._fast.Port.bind: bad arguments");
+        return NULL;
+    }
+    memset(self->generation, 0, (size_t)self->geo.slot_count * sizeof(uint64_t));
+    while (PyDict_Next(generations, &pos, &key, &value)) {
+        unsigned long gen = PyLong_AsUnsignedLong(value);
+        if (gen == (unsigned long)-1 && PyErr_Occurred())
+            return NULL;
+        if (slot_index(key, self->geo.slot_count, "Port", &index) < 0)
+            return NULL;
+        if (gen > UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "lease generation over 2**32");
+            return NULL;
+        }
+        /* bit 32: leased to this lane */
+        self->generation[index] = ((uint64_t)1 << 32) | gen;
+    }
+    Py_INCREF(free_list);
+    Py_INCREF(counter);
+    Py_INCREF(lane_index);
+    Py_INCREF(lane_ref);
+    Py_INCREF(pending);
+    port_unbind_refs(self);
+    self->free = free_list;
+    self->counter = counter;
+    self->lane_index = lane_index;
+    self->lane_ref = lane_ref;
+    self->pending = pending;
+    Py_RETURN_NONE;
+}
+
+static PyObject *port_unbind(PyObject *obj, PyObject *arg)
+{
+    (void)arg;
+    port_unbind_refs((Port *)obj);
+    Py_RETURN_NONE;
+}
+
+/* start(inputs, timeout) -> Pending, or None: Client.start of a bound lane whose worker is
+ * READY, of the layout the last free slot had: the slot taken off the free list, its tag
+ * (generation << 32 | the counter's next value, low 32 bits), send_match and send_write,
+ * the deadline (CLOCK_MONOTONIC, time.monotonic's clock, + timeout). None when the worker
+ * state word is not READY (the one word of the header read here: compared only), the free
+ * list is empty, its last slot is not one this lane leased, or the inputs are not the
+ * slot's last layout: then nothing was taken or written and the Python client goes on. */
+static PyObject *port_start(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *inputs, *values[MAX_PORT_ARRAYS], *next, *lane, *pending, *slot_obj;
+    double timeout;
+    Py_ssize_t n;
+    uint32_t index;
+    uint64_t tag;
+    struct send_cache *c;
+    int r;
+    if (!PyArg_ParseTuple(args, "Od", &inputs, &timeout))
+        return NULL;
+    if (!self->free || load32(self->geo.base + H_WORKER_STATE) != WORKER_READY)
+        Py_RETURN_NONE;
+    n = PyList_Size(self->free);
+    if (n <= 0)
+        Py_RETURN_NONE;
+    {
+        unsigned long v = PyLong_AsUnsignedLong(PyList_GetItem(self->free, n - 1));
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (v >= self->geo.slot_count || !(self->generation[v] >> 32))
+            Py_RETURN_NONE;
+        index = (uint32_t)v;
+    }
+    c = &self->send[index];
+    r = send_match(self, c, inputs, values);
+    if (r <= 0)
+        return r < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    lane = PyWeakref_GetObject(self->lane_ref); /* borrowed */
+    if (lane == NULL || lane == Py_None)
+        Py_RETURN_NONE;
+    next = PyIter_Next(self->counter);
+    if (!next) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "shminfer._fast.Port.start: tag counter ended");
+        return NULL;
+    }
+    tag = (uint64_t)PyLong_AsUnsignedLongLongMask(next);
+    Py_DECREF(next);
+    if (tag == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    tag = (self->generation[index] & 0xFFFFFFFFu) << 32 | (tag & 0xFFFFFFFFu);
+    slot_obj = PyList_GetItem(self->free, n - 1);
+    Py_INCREF(slot_obj);
+    if (PyList_SetSlice(self->free, n - 1, n, NULL) < 0) {
+        Py_DECREF(slot_obj);
+        return NULL;
+    }
+    if (send_write(self, index, c, values, tag) < 0) {
+        /* As Client.start after a failed send: the slot FREE and back on the free list. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        __atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_FREE, __ATOMIC_RELEASE);
+        if (PyList_Append(self->free, slot_obj) < 0)
+            PyErr_Clear();
+        Py_DECREF(slot_obj);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_INCREF(lane);
+    pending = PyObject_CallFunction(self->pending, "OOKdO", self->lane_index, slot_obj,
+                                    (unsigned long long)tag,
+                                    (double)monotonic_ns() / 1e9 + timeout, lane);
+    Py_DECREF(lane);
+    Py_DECREF(slot_obj);
+    return pending;
 }
 
 /* recv(index, seq, spin_ns) -> the decoder's views (a dict: the answer to this request, of
@@ -1210,6 +1378,26 @@ static PyObject *port_recv(PyObject *obj, PyObject *args)
     return c->views;
 }
 
+/* finish(index, seq, spin_ns) -> recv's answer; when it is the views (a dict), the slot is
+ * FREE again and back on the bound free list, as Client.finish does after an answer. */
+static PyObject *port_finish(PyObject *obj, PyObject *args)
+{
+    Port *self = (Port *)obj;
+    PyObject *answer = port_recv(obj, args), *index_obj;
+    uint32_t index;
+    if (!answer || !PyDict_Check(answer) || !self->free)
+        return answer;
+    /* recv parsed the same arguments: the index is in range. */
+    index_obj = PyTuple_GetItem(args, 0);
+    if (slot_index(index_obj, self->geo.slot_count, "Port", &index) < 0 ||
+        (__atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_FREE, __ATOMIC_RELEASE),
+         PyList_Append(self->free, index_obj) < 0)) {
+        Py_DECREF(answer);
+        return NULL;
+    }
+    return answer;
+}
+
 static PyMethodDef port_methods[] = {
     {"learn_send", port_learn_send, METH_VARARGS,
      "learn_send(index, names, dtypes, shapes, dests, header, total)"},
@@ -1217,6 +1405,11 @@ static PyMethodDef port_methods[] = {
     {"forget", port_forget, METH_O, "forget(index)"},
     {"send", port_send, METH_VARARGS, "send(index, inputs, seq) -> length or None"},
     {"recv", port_recv, METH_VARARGS, "recv(index, seq, spin_ns) -> views or state"},
+    {"bind", port_bind, METH_VARARGS,
+     "bind(free, generations, counter, lane_index, lane_ref, pending)"},
+    {"unbind", port_unbind, METH_NOARGS, "unbind()"},
+    {"start", port_start, METH_VARARGS, "start(inputs, timeout) -> Pending or None"},
+    {"finish", port_finish, METH_VARARGS, "finish(index, seq, spin_ns) -> views or state"},
     {NULL, NULL, 0, NULL},
 };
 

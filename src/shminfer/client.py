@@ -279,6 +279,12 @@ class Client:
             for segment, worker in zip(segments, workers)
         ]
         self._rr = itertools.cycle(range(len(self.lanes)))
+        for index, lane in enumerate(self.lanes):
+            if lane.port is not None:
+                # Port.start/finish take and give back this lane's free slots themselves.
+                lane.port.bind(
+                    lane.free, lane.generation, self._seq, index, weakref.ref(lane), Pending
+                )
         self._finalizer = weakref.finalize(self, Client._release, self.lanes, self.pid, sock)
         atexit.register(self._finalizer)
 
@@ -328,6 +334,21 @@ class Client:
 
     def start(self, inputs: dict, timeout: float | None = None) -> Pending:
         lanes = self.lanes
+        if lanes and not self._stale and _sys.FAST is not None:
+            lane_index = next(self._rr)
+            port = lanes[lane_index].port
+            if port is not None:
+                # The whole start in one C call (the slot off the free list, the tag, the
+                # reuse test, copies and publish) when this lane's worker is READY and the
+                # free slot's last layout is this request's; None: nothing was done.
+                pending = port.start(inputs, self.timeout if timeout is None else timeout)
+                if pending is not None:
+                    return pending
+            return self._start(inputs, timeout, lane_index)
+        return self._start(inputs, timeout, None)
+
+    def _start(self, inputs, timeout, lane_index):
+        lanes = self.lanes
         if (
             self._stale
             or not lanes
@@ -335,7 +356,9 @@ class Client:
         ):
             self._reattach()
             lanes = self.lanes
-        lane_index = next(self._rr)
+            lane_index = None
+        if lane_index is None:
+            lane_index = next(self._rr)
         lane = lanes[lane_index]
         if not lane.free:
             lane_index = self._lane_with_a_free_slot(lane_index)
@@ -451,13 +474,12 @@ class Client:
         port = lane.port if _sys.FAST is not None and self.wait_mode != "sleep" else None
         if port is not None:
             # Spin, state, tag and the decoder's reuse test in one C call: the views of an
-            # answer to this request of the layout validated last, or the state read last.
-            answer = port.recv(slot, pending.seq, self.spin_ns)
+            # answer to this request of the layout validated last (the slot then FREE and
+            # back on the free list), or the state read last.
+            answer = port.finish(slot, pending.seq, self.spin_ns)
             if type(answer) is dict:
                 if copy:
-                    answer = {name: np.array(value) for name, value in answer.items()}
-                seg.state_words[slot] = FREE
-                lane.free.append(slot)
+                    return {name: np.array(value) for name, value in answer.items()}
                 return answer
             spin = False
         deadline = pending.deadline if timeout is None else time.monotonic() + timeout
@@ -522,6 +544,8 @@ class Client:
         if os.getpid() != pid:
             return
         for lane in lanes:
+            if lane.port is not None:
+                lane.port.unbind()
             try:
                 lane.requests.clear()
                 lane.responses.clear()

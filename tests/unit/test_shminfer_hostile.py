@@ -317,6 +317,34 @@ def test_a_request_rewritten_after_its_layout_was_learned_is_checked_again():
         assert server.restarts[server.cpus[0]] == 0
 
 
+def test_a_scribbled_worker_state_sends_the_client_down_the_checked_path():
+    # Port.start (C) reads one header word, the worker state, and goes on only when it is
+    # READY: any other value returns to the Python client, which checks the server itself.
+    # The tags it hands out carry the slot's lease generation and the client's counter, as
+    # the Python path's do, from the same counter.
+    with _learned_slot() as (_, client, lane, slot):
+        seg = lane.seg
+        port = lane.port
+        tags = []
+        for word in (0x4D, 0, 2, 3, 0xFFFFFFFF):  # garbage, STARTING, DEAD, STOPPED, garbage
+            seg.set("worker_state", word)
+            if port is not None:
+                assert port.start(_x(1.0), 5.0) is None
+                assert lane.free == [slot] and seg.state_words[slot] == 0  # nothing taken
+            pending = client.start(_x(float(word & 0xFF)))  # the Python path: answered
+            tags.append(pending.seq)
+            assert np.all(client.finish(pending)["y"] == float(word & 0xFF))
+        seg.set("worker_state", 1)  # READY
+        for value in (5.0, 6.0):
+            pending = client.start(_x(value))
+            assert lane.free == []
+            tags.append(pending.seq)
+            assert np.all(client.finish(pending)["y"] == value)
+            assert lane.free == [slot]
+        assert all(tag >> 32 == lane.generation[slot] for tag in tags)
+        assert [tag & 0xFFFFFFFF for tag in tags] == sorted({tag & 0xFFFFFFFF for tag in tags})
+
+
 def test_a_response_rewritten_after_its_layout_was_learned_is_checked_again():
     # The client reuses a slot's decoded response views (in C where it is built: Port.recv)
     # only for DONE under the request's own tag, with the length word and descriptor bytes
