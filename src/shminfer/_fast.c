@@ -788,6 +788,7 @@ typedef struct {
     /* bind(): the client's lane (see port_bind) */
     PyObject *free, *counter, *lane_index, *lane_ref, *pending;
     uint64_t *generation; /* per slot: 1 << 32 | lease generation when leased to the lane */
+    unsigned stream;      /* copies left to stream (see copy_to_peer) */
 } Port;
 
 #define ST_FREE 0u
@@ -851,20 +852,26 @@ static int array_span(PyObject *array, PyObject **capsule, uintptr_t *addr, uint
 }
 
 /* A copy of an input into a request slot, which the worker reads next on another CPU and
- * which that CPU read last (the slot is reused): on x86-64, spans of at least
- * STREAM_MIN bytes go out with streaming (non-temporal) stores, which invalidate the
- * worker's copies of those lines without first reading them into this cache. Measured
- * here (16 KiB, a C ping-pong between the two CPUs, 2026-12-01): plain stores 2.5-11 us
- * a round trip and bimodal, streaming stores 3.1-3.8 us. The bytes are memcpy's; the
- * caller issues copy_fence() before the release store of READY (streaming stores are
- * not ordered by it). */
+ * which that CPU read last (the slot is reused). On x86-64, spans of at least STREAM_MIN
+ * bytes can go out with streaming (non-temporal) stores, which invalidate the worker's
+ * copies of those lines without reading them into this cache first; the worker then reads
+ * them from memory. Which is faster depends on where the two CPUs sit: measured here (16
+ * KiB, a C ping-pong between the VM's two CPUs, 2026-12-01) plain stores took 2.5-3 us a
+ * round trip in one mode of the host and 7-11 us in another, streaming stores 2.9-3.8 us
+ * in both. So the port times its plain copies (two vDSO clock reads) and streams the next
+ * STREAM_RUN copies after one slower than SLOW_NS_PER_KIB, then tries a plain one again.
+ * The bytes are memcpy's either way; the caller issues copy_fence() before the release
+ * store of READY (streaming stores are not ordered by it). */
 #define STREAM_MIN 4096u
+#define STREAM_RUN 64u
+#define SLOW_NS_PER_KIB 128u
 
-static void copy_to_peer(char *dst, const char *src, size_t len)
+static void copy_to_peer(unsigned *stream, char *dst, const char *src, size_t len)
 {
 #if defined(__x86_64__)
-    if (len >= STREAM_MIN) {
+    if (len >= STREAM_MIN && *stream) {
         size_t head = (size_t)(-(uintptr_t)dst & 63u), i;
+        --*stream;
         memcpy(dst, src, head);
         dst += head;
         src += head;
@@ -882,6 +889,16 @@ static void copy_to_peer(char *dst, const char *src, size_t len)
         memcpy(dst + i, src + i, len - i);
         return;
     }
+    if (len >= STREAM_MIN) {
+        uint64_t t0 = monotonic_ns(), took;
+        memcpy(dst, src, len);
+        took = monotonic_ns() - t0;
+        if (took > (uint64_t)SLOW_NS_PER_KIB * (len >> 10))
+            *stream = STREAM_RUN;
+        return;
+    }
+#else
+    (void)stream;
 #endif
     memcpy(dst, src, len);
 }
@@ -1159,7 +1176,8 @@ static int send_write(Port *self, uint32_t index, struct send_cache *c, PyObject
          * view, a broken capsule): numpy's own assignment into the learned view. */
         r = array_span(values[i], &capsule, &addr, &len);
         if (r == 1 && len == c->spans[2 * i + 1]) {
-            copy_to_peer((char *)(request + c->spans[2 * i]), (const char *)addr, (size_t)len);
+            copy_to_peer(&self->stream, (char *)(request + c->spans[2 * i]), (const char *)addr,
+                         (size_t)len);
             r = 0;
         } else if (r >= 0) {
             r = PyObject_SetItem(PyTuple_GetItem(c->dests, i), Py_Ellipsis, values[i]);
@@ -1245,6 +1263,19 @@ static PyObject *port_bind(PyObject *obj, PyObject *args)
     self->lane_ref = lane_ref;
     self->pending = pending;
     Py_RETURN_NONE;
+}
+
+/* stream(count) -> the count before: the next count copies of STREAM_MIN bytes or more
+ * stream (copy_to_peer); the tests check both copies write the encoder's bytes. */
+static PyObject *port_stream(PyObject *obj, PyObject *arg)
+{
+    Port *self = (Port *)obj;
+    unsigned long count = PyLong_AsUnsignedLong(arg);
+    unsigned before = self->stream;
+    if (count == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    self->stream = count > STREAM_RUN ? STREAM_RUN : (unsigned)count;
+    return PyLong_FromUnsignedLong(before);
 }
 
 static PyObject *port_unbind(PyObject *obj, PyObject *arg)
@@ -1408,6 +1439,7 @@ static PyMethodDef port_methods[] = {
     {"bind", port_bind, METH_VARARGS,
      "bind(free, generations, counter, lane_index, lane_ref, pending)"},
     {"unbind", port_unbind, METH_NOARGS, "unbind()"},
+    {"stream", port_stream, METH_O, "stream(count) -> count before"},
     {"start", port_start, METH_VARARGS, "start(inputs, timeout) -> Pending or None"},
     {"finish", port_finish, METH_VARARGS, "finish(index, seq, spin_ns) -> views or state"},
     {NULL, NULL, 0, NULL},
