@@ -132,7 +132,8 @@ class _Lane:
 def _port(segment):
     """The C send/receive steps for this segment (shminfer._fast.port), where built."""
     fast = _sys.FAST
-    if fast is None or not hasattr(fast, "port"):
+    # A build without Port.start (an older _fast) leaves the client on its Python steps.
+    if fast is None or not hasattr(fast, "port") or not hasattr(fast.Port, "start"):
         return None
     # An export of the mapping: it stays mapped while the port may write or read it.
     return fast.port(
