@@ -252,7 +252,7 @@ def _tune(root, config, *extra):
     cfg.write_text(json.dumps(config))
     env = {
         **os.environ,
-        "RTFLEET_LIB": str(Path(__file__).resolve().parents[2] / "plugins/module_utils"),
+        "RTFLEET_LIB": str(Path(__file__).resolve().parents[2] / "roles/rtfleet_host/files"),
     }
     run = subprocess.run(
         [

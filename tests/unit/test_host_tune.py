@@ -66,7 +66,7 @@ def _fake_proc(root, nbits, irqs):
 def _run_tuner(root, config, *extra):
     cfg = root / "tune.json"
     cfg.write_text(json.dumps(config))
-    env = {**os.environ, "RTFLEET_LIB": str(REPO / "plugins/module_utils")}
+    env = {**os.environ, "RTFLEET_LIB": str(REPO / "roles/rtfleet_host/files")}
     argv = [sys.executable, str(TUNE), "--config", str(cfg), "--root", str(root)]
     return subprocess.run(
         [*argv, "--state", str(root / "state.json"), *extra],

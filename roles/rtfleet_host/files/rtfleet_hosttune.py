@@ -1,0 +1,1 @@
+../../../src/rtfleet/hosttune.py
