@@ -15,8 +15,11 @@ import re
 
 try:  # on a host, inside an Ansible module
     from ansible.module_utils.rtfleet_topology import format_cpulist, parse_cpulist
-except ImportError:  # on the controller and in tests
-    from rtfleet.topology import format_cpulist, parse_cpulist
+except ImportError:
+    try:  # on a node, beside rtfleet-drift in /usr/local/lib/rtfleet
+        from rtfleet_topology import format_cpulist, parse_cpulist
+    except ImportError:  # on the controller and in tests
+        from rtfleet.topology import format_cpulist, parse_cpulist
 
 # Keys the host owns outright: an operator's extra arguments must not set them, because the
 # plan or a role variable already does (and a second value would silently win or lose).

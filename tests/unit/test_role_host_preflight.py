@@ -113,6 +113,12 @@ def test_bad_policy_fails_before_anything_changes(trees, tmp_path):
             "rtfleet_host_sched_rt_runtime_us must be -1",
         ),
         ({"rtfleet_host_irq_mode": "magic"}, "rtfleet_host_irq_mode"),
+        ({"rtfleet_host_drift_interval_s": 5}, "rtfleet_host_drift_interval_s must be"),
+        ({"rtfleet_host_drift_interval_s": "5min"}, "rtfleet_host_drift_interval_s"),
+        (
+            {"rtfleet_host_drift_textfile_dir": "var/lib/node-exporter"},
+            "rtfleet_host_drift_textfile_dir (var/lib/node-exporter) and",
+        ),
     ],
 )
 def test_bad_variables_and_bios_mismatch_are_refused(trees, tmp_path, role_vars, message):
