@@ -42,6 +42,7 @@ from rtfleet.postcheck import (
     parse_hwlatdetect,
     parse_oslat,
 )
+from rtfleet.report_drift import drift_html, drift_markdown, load_drift
 
 FLEET_SCHEMA_VERSION = 1
 DEFAULT_MAX_US = 100
@@ -718,6 +719,7 @@ def render_markdown(fleet):
                 _BEFORE_AFTER_COLUMNS, [_before_after_cells(r) for r in fleet["before_after"]]
             )
         )
+    out.extend(drift_markdown(fleet.get("drift")))
     for entry in fleet["hosts"]:
         out += ["", "## %s (%s)" % (entry["host"], entry["kind"]), ""]
         out.extend(_host_facts_md(entry))
@@ -870,6 +872,7 @@ def render_html(fleet):
                 "before-after",
             )
         )
+    out.append(drift_html(fleet.get("drift")))
     for entry in fleet["hosts"]:
         out.append(
             '<h2 id="host-%s">%s (%s)</h2>'
@@ -1066,6 +1069,7 @@ def build_report(results_dir, out_dir, plots=True):
         fleet = evaluate_fleet(results)
         dirs = [results_dir] if isinstance(results_dir, (str, os.PathLike)) else list(results_dir)
         fleet["results"] = [str(d) for d in dirs]
+        fleet["drift"] = load_drift(dirs)  # playbooks/verify.yml: <results>/drift/*.json
         written = write_plots(fleet["hosts"], out_dir / "plots") if plots else []
         fleet["files"] = {
             "json": "fleet.json",

@@ -583,3 +583,31 @@ def test_captured_lab_server_tree(captured_root, tmp_path, capsys):
     }
     assert (root / "proc/irq/24/smp_affinity_list").read_text() == "0-1,12-13,24-25,36-37"
 
+
+def test_the_fleet_report_gets_a_drift_section(big, tmp_path, capsys):
+    """verify.yml's per-host results (results/drift/<host>.json) in report.md/html/fleet.json."""
+    from postcheck_results import host_result, write_results
+
+    from rtfleet.report import build_report
+
+    results = write_results(tmp_path / "results", [host_result("srv1"), host_result("srv2")])
+    _sysctl_changed(big)
+    big.put("proc/irq/9/smp_affinity_list", "%d\n" % big.plan["isolated"][5])
+    assert big.run() == 1
+    drifted = _result(capsys)
+    (results / "drift").mkdir()
+    (results / "drift/srv1.json").write_text(json.dumps({**drifted, "inventory_host": "srv1"}))
+    (results / "drift/srv2.json").write_text("{truncated")
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert [d["host"] for d in fleet["drift"]] == ["srv1", "srv2"]
+    assert fleet["drift"][0]["drift"] and fleet["drift"][0]["repinned_irqs"] == 1
+    assert "error" in fleet["drift"][1]
+    assert fleet["verdict"]["passed"]  # drift is reported, the post-check verdict stands
+    markdown = (tmp_path / "out/report.md").read_text()
+    assert "## Drift" in markdown and "| srv1 | DRIFT |" in markdown
+    assert "- sysctls (drift): vm.swappiness is 60, wanted 10" in markdown
+    assert "- irqs (repaired): IRQ 9 (virtio9-input.0)" in markdown
+    html = (tmp_path / "out/report.html").read_text()
+    assert "<h2>Drift</h2>" in html and "vm.swappiness is 60, wanted 10" in html
+    saved = json.loads((tmp_path / "out/fleet.json").read_text())
+    assert saved["drift"][0]["checks"]["sysctls"]["status"] == "drift"
