@@ -107,6 +107,7 @@ TEXTFILE_NAME = "rtfleet_drift.prom"
 KUBELET_DROPIN = "/etc/kubernetes/kubelet.conf.d/90-rtfleet.conf"
 IRQBALANCE_CONFIG = "/etc/default/irqbalance"
 TUNED_ACTIVE = "/etc/tuned/active_profile"
+RUNTIME_TEMPLATE = "/etc/systemd/system/shminfer@.service"
 UNIT_PROPERTIES = (
     "Id",
     "LoadState",
@@ -732,10 +733,11 @@ def run_checks(
     """The result document (without the counter) for one run over a host (or a tree)."""
     plan, host, tune = records
     log = log or (lambda message: None)
-    wanted_units = ["irqbalance.service", "tuned.service", "shminfer@.service"]
+    wanted_units = ["irqbalance.service", "tuned.service"]
     wanted_units += [_unit_name(g) for g in plan.get("runtime_groups") or []]
     units = systemctl_show(wanted_units, systemctl)
-    runtime_installed = units["shminfer@.service"].get("LoadState") not in (None, "not-found")
+    # The runtime role's template unit: without it the runtime role has not run here.
+    runtime_installed = os.path.exists(_under(root, RUNTIME_TEMPLATE))
     previous = _read(_under(root, RESULT))
     try:
         unmovable_before = set(json.loads(previous)["checks"]["irqs"]["unmovable"])

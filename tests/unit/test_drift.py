@@ -139,7 +139,8 @@ class Host:
 
     def runtime(self):
         """Every runtime group's unit running: two processes of three threads, on its CPUs."""
-        units = {"shminfer@.service": {"LoadState": "loaded", "ActiveState": "inactive"}}
+        units = {}
+        self.put("etc/systemd/system/shminfer@.service", "[Service]\n")
         pid = 1000
         for group in self.plan["runtime_groups"]:
             unit = "shminfer@%s.service" % group["name"]
@@ -611,3 +612,12 @@ def test_the_fleet_report_gets_a_drift_section(big, tmp_path, capsys):
     assert "<h2>Drift</h2>" in html and "vm.swappiness is 60, wanted 10" in html
     saved = json.loads((tmp_path / "out/fleet.json").read_text())
     assert saved["drift"][0]["checks"]["sysctls"]["status"] == "drift"
+
+
+def test_a_host_without_the_runtime_role_skips_the_unit_checks(big, capsys):
+    (big.root / "etc/systemd/system/shminfer@.service").unlink()
+    (big.root / KUBELET).unlink()
+    assert big.run("--textfile-dir", "/srv/textfiles") == 0
+    statuses = _statuses(_result(capsys))
+    assert statuses["units"] == statuses["unit_threads"] == statuses["kubelet"] == "skipped"
+    assert (big.root / "srv/textfiles/rtfleet_drift.prom").exists()
