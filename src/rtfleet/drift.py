@@ -622,6 +622,19 @@ def check_unit_threads(root, plan, units, runtime_installed):
 _RESERVED = re.compile(r"""^reservedSystemCPUs:[ \t]*["']?([0-9,\- ]*)["']?[ \t]*$""", re.M)
 
 
+def _reserved_cpus(text):
+    """reservedSystemCPUs of a kubelet drop-in: JSON (what rtfleet_kubelet writes, after its
+    comment header) or YAML with a top-level key; None when it sets none."""
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    try:
+        config = json.loads(body)
+    except ValueError:
+        match = _RESERVED.search(text)
+        return match.group(1).strip() if match else None
+    value = config.get("reservedSystemCPUs") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def check_kubelet(root, plan, dropin):
     want = (plan.get("kubelet") or {}).get("reservedSystemCPUs")
     path = _under(root, dropin)
@@ -630,18 +643,18 @@ def check_kubelet(root, plan, dropin):
         return _result("skipped", ["no %s (kubelet role not run, or main-config mode)" % dropin])
     if not want:
         return _result("skipped", ["the plan has no kubelet reservedSystemCPUs"])
-    match = _RESERVED.search(text)
-    if not match:
+    have_text = _reserved_cpus(text)
+    if have_text is None:
         return _result(
             "drift", ["%s sets no reservedSystemCPUs; the plan's is %s" % (dropin, want)]
         )
     try:
-        have = parse_cpulist(match.group(1).replace(" ", ""))
+        have = parse_cpulist(have_text.replace(" ", ""))
     except TopologyError as exc:
         return _result("drift", ["%s: reservedSystemCPUs: %s" % (dropin, exc)])
     if have != parse_cpulist(want):
         return _result(
-            "drift", ["kubelet reservedSystemCPUs is %s, the plan's %s" % (match.group(1), want)]
+            "drift", ["kubelet reservedSystemCPUs is %s, the plan's %s" % (have_text, want)]
         )
     return _result("ok", ["reservedSystemCPUs %s" % want])
 

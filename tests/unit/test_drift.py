@@ -95,7 +95,12 @@ class Host:
         self.sysctls()
         self.pages()
         self.units = self.runtime()
-        self.put(KUBELET, "reservedSystemCPUs: %s\n" % self.plan["kubelet"]["reservedSystemCPUs"])
+        # As rtfleet_kubelet writes it: a comment header, then JSON.
+        self.put(
+            KUBELET,
+            "# Managed by rtfleet (role rtfleet_kubelet).\n"
+            + json.dumps({"kind": "KubeletConfiguration", **self.plan["kubelet"]}, indent=2),
+        )
         self.put("etc/default/irqbalance", "#IRQBALANCE_BANNED_CPULIST=\n")
         self.put("run/rtfleet/tune-state.json", json.dumps({"unmovable": []}))
         self.systemctl = self.root / "fake-systemctl"
@@ -401,7 +406,11 @@ def _first_pid(host):
 
 
 def _kubelet_differs(host):
-    host.put(KUBELET, 'reservedSystemCPUs: "0-7"\n')
+    host.put(KUBELET, '# a YAML drop-in\nkind: KubeletConfiguration\nreservedSystemCPUs: "0-7"\n')
+
+
+def _kubelet_unset(host):
+    host.put(KUBELET, json.dumps({"kind": "KubeletConfiguration", "cpuManagerPolicy": "none"}))
 
 
 @pytest.mark.parametrize(
@@ -425,6 +434,7 @@ def _kubelet_differs(host):
         (_thread_allowed_outside, "unit_threads", "may run outside"),
         (_thread_ran_outside, "unit_threads", "last ran on CPU 64"),
         (_kubelet_differs, "kubelet", "reservedSystemCPUs is 0-7"),
+        (_kubelet_unset, "kubelet", "sets no reservedSystemCPUs"),
     ],
 )
 def test_each_kind_of_drift_is_reported_and_left_alone(big, capsys, cause, check, needle):
