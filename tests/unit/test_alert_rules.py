@@ -47,3 +47,25 @@ def test_shminfer_series_in_the_rules_are_the_ones_a_server_writes():
         sample.name for family in text_string_to_metric_families(text) for sample in family.samples
     }
     assert wanted <= written, "rules name series no server writes: %s" % sorted(wanted - written)
+
+
+def test_rtfleet_series_in_the_rules_are_the_ones_the_drift_guard_writes():
+    from rtfleet.drift import CHECKS, render_textfile
+
+    wanted = {
+        name
+        for rule in _rules()
+        for name in _SERIES.findall(rule["expr"])
+        if name.startswith("rtfleet_")
+    }
+    assert wanted, "the rules watch no rtfleet series"
+    checks = {name: {"status": "ok", "details": []} for name in CHECKS}
+    checks["irqs"].update(unmovable=[], repinned=[])
+    checks["unit_threads"]["units"] = {"shminfer@ccx0.service": {"outside": []}}
+    text = render_textfile({"checks": checks, "repinned_irqs_total": 0, "timestamp": 1.0})
+    written = {
+        sample.name for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+    assert wanted <= written, "rules name series the guard never writes: %s" % sorted(
+        wanted - written
+    )
