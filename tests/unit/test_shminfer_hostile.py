@@ -76,7 +76,10 @@ import sys, time, numpy as np
 from shminfer.client import Client
 from shminfer.queue import PROCESSING
 name, value, how = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-c = Client(name, slots_per_worker=1, timeout=0.05)
+# Attach with time to spare (a loaded machine answered the handshake in > 50 ms), then
+# wait only 50 ms for the answer, so the "timeout" client gives up mid-batch.
+c = Client(name, slots_per_worker=1, timeout=30)
+c.timeout = 0.05
 p = c.start({"x": np.full((1, 64), value, np.float32)})
 lane = c.lanes[0]
 deadline = time.monotonic() + 20
