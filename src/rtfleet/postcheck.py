@@ -295,12 +295,7 @@ def parse_cyclictest(doc):
         "max_us": worst_max["max_us"],
         "max_cpu": worst_max["cpu"],
     }
-    for name, _, _ in PERCENTILES:
-        value, beyond, cpu = _worst(rows, name)
-        summary[name + "_us"] = value
-        summary[name + "_beyond_histogram"] = beyond
-        summary[name + "_cpu"] = cpu
-    return {"summary": summary, "cpus": rows}
+    return {"summary": _with_worst_percentiles(summary, rows), "cpus": rows}
 
 
 def format_percentile(entry, name, histogram_us=None):
@@ -354,6 +349,37 @@ def _number(value, what):
         raise PostcheckError("%s is %r, expected a number" % (what, value)) from None
 
 
+def _max_over(tool, rows, limit):
+    """The failure, if any, of rows whose worst case (``max_us``) is over ``limit``."""
+    if limit is None:
+        return []
+    over = sorted((r for r in rows if r["max_us"] > limit), key=lambda r: -r["max_us"])
+    if not over:
+        return []
+    return [
+        "%s max latency %d µs on %s exceeds the %s µs limit (%d of %d CPUs over: %s)"
+        % (
+            tool,
+            over[0]["max_us"],
+            _cpu_label(over[0]),
+            _num(limit),
+            len(over),
+            len(rows),
+            _named(over, lambda r: "%d µs" % r["max_us"]),
+        )
+    ]
+
+
+def _with_worst_percentiles(summary, rows):
+    """``summary`` with the worst p99/p99.9 over rows (value, beyond, CPU) added."""
+    for name, _, _ in PERCENTILES:
+        value, beyond, cpu = _worst(rows, name)
+        summary[name + "_us"] = value
+        summary[name + "_beyond_histogram"] = beyond
+        summary[name + "_cpu"] = cpu
+    return summary
+
+
 def gate_cyclictest(parsed, thresholds=None):
     """Failure messages (empty when the run passes) for a :func:`parse_cyclictest` result.
 
@@ -384,22 +410,7 @@ def gate_cyclictest(parsed, thresholds=None):
                 )
             )
 
-    max_us = limits["max_us"]
-    if max_us is not None:
-        over = sorted((r for r in rows if r["max_us"] > max_us), key=lambda r: -r["max_us"])
-        if over:
-            failures.append(
-                "cyclictest max latency %d µs on %s exceeds the %s µs limit (%d of %d CPUs "
-                "over: %s)"
-                % (
-                    over[0]["max_us"],
-                    _cpu_label(over[0]),
-                    _num(max_us),
-                    len(over),
-                    len(rows),
-                    _named(over, lambda r: "%d µs" % r["max_us"]),
-                )
-            )
+    failures.extend(_max_over("cyclictest", rows, limits["max_us"]))
 
     p999_limit = limits["p999_us"]
     if p999_limit is not None:
@@ -550,12 +561,7 @@ def parse_oslat(doc):
         "max_us": worst["max_us"],
         "max_cpu": worst["cpu"],
     }
-    for name, _, _ in PERCENTILES:
-        value, beyond, cpu = _worst(rows, name)
-        summary[name + "_us"] = value
-        summary[name + "_beyond_histogram"] = beyond
-        summary[name + "_cpu"] = cpu
-    return {"summary": summary, "cpus": rows}
+    return {"summary": _with_worst_percentiles(summary, rows), "cpus": rows}
 
 
 def gate_oslat(parsed, max_us, wanted_cpus=None):
@@ -568,21 +574,7 @@ def gate_oslat(parsed, max_us, wanted_cpus=None):
         parsed = parse_oslat(parsed)
     rows = parsed["cpus"]
     failures = _measured_cpus("oslat", rows, wanted_cpus, "pass --cpu-list <cpus>")
-    limit = _number(max_us, "oslat threshold max_us")
-    if limit is not None:
-        over = sorted((r for r in rows if r["max_us"] > limit), key=lambda r: -r["max_us"])
-        if over:
-            failures.append(
-                "oslat max latency %d µs on %s exceeds the %s µs limit (%d of %d CPUs over: %s)"
-                % (
-                    over[0]["max_us"],
-                    _cpu_label(over[0]),
-                    _num(limit),
-                    len(over),
-                    len(rows),
-                    _named(over, lambda r: "%d µs" % r["max_us"]),
-                )
-            )
+    failures.extend(_max_over("oslat", rows, _number(max_us, "oslat threshold max_us")))
     return failures
 
 

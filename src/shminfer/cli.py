@@ -34,27 +34,20 @@ def _cpulist(text: str) -> list[int]:
     return cpus
 
 
-def _bounded(flag: str, low: int, high: int):
-    def parse(text: str) -> int:
+def _bounded(flag: str, low, high, kind=int):
+    """argparse type: a ``kind`` (int, or float) in low..high, else a one-line error."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
         try:
-            value = int(text, 0)
+            value = int(text, 0) if kind is int else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{flag} takes {noun}, got {text!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{flag} must be {low}..{high}, got {value}")
-        return value
-
-    return parse
-
-
-def _bounded_float(flag: str, low: float, high: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{flag} must be {low:g}..{high:g}, got {value:g}")
+            shown = str if kind is int else "{:g}".format
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be {shown(low)}..{shown(high)}, got {shown(value)}"
+            )
         return value
 
     return parse
@@ -363,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--metrics-every-s",
-        type=_bounded_float("--metrics-every-s", 0.5, 3600.0),
+        type=_bounded("--metrics-every-s", 0.5, 3600.0, float),
         default=10.0,
         help="how often --metrics-textfile is rewritten (default 10)",
     )
