@@ -418,25 +418,51 @@ def _distances(reader, node_id, online_ids):
     return [[node, int(value)] for node, value in zip(online_ids, values)]
 
 
-def _nearest_memory_node(node, nodes, package_of):
-    """The node whose memory serves ``node``'s CPUs: itself, else the nearest with memory.
+def _by_distance(node, others, packages_of):
+    """``others`` (node dicts), nearest to ``node`` first, each with its distance or None.
 
-    By SLIT distance when the node has a distance row; an offline node has none, so the
-    nodes with memory on the same package come first, then the lowest id.
+    By ``node``'s SLIT row; a node without one (offline, or a tree that omits it) takes the
+    others' rows toward it (SLIT is symmetric). Then nodes on the same package first, then
+    the lowest id. ``packages_of(node)`` gives a node's packages.
     """
+    row = dict(node["distances"])
+    mine = packages_of(node)
+
+    def distance(other):
+        if other["id"] in row:
+            return row[other["id"]]
+        return dict(other["distances"]).get(node["id"])
+
+    def rank(other):
+        found = distance(other)
+        return (1 << 20 if found is None else found, not (mine & packages_of(other)), other["id"])
+
+    return [(other, distance(other)) for other in sorted(others, key=rank)]
+
+
+def nearest_nodes(topology, node_id, candidates):
+    """Node ids ``candidates`` as ``[(id, distance or None)]``, nearest to ``node_id``
+    first (its SLIT distance, else the same package, then the lowest id): where to go when
+    ``node_id`` itself has no memory, no unit, no room."""
+    nodes = {n["id"]: n for n in topology["numa_nodes"]}
+    if node_id not in nodes:
+        raise ValueError("NUMA node %s is not in this topology" % node_id)
+    others = [nodes[c] for c in candidates if c in nodes]
+    ranked = _by_distance(nodes[node_id], others, lambda n: set(n.get("packages", ())))
+    return [(n["id"], d) for n, d in ranked]
+
+
+def _nearest_memory_node(node, nodes, package_of):
+    """The node whose memory serves ``node``'s CPUs: itself, else the nearest with memory."""
     if node["has_memory"]:
         return node["id"]
     with_memory = [n for n in nodes if n["has_memory"]]
     if not with_memory:
         return None
-    distance = dict(node["distances"])
-    packages = {package_of[c] for c in node["cpus"] if c in package_of}
-
-    def rank(other):
-        same_package = bool(packages & {package_of[c] for c in other["cpus"] if c in package_of})
-        return (distance.get(other["id"], 1 << 20), not same_package, other["id"])
-
-    return min(with_memory, key=rank)["id"]
+    ranked = _by_distance(
+        node, with_memory, lambda n: {package_of[c] for c in n["cpus"] if c in package_of}
+    )
+    return ranked[0][0]["id"]
 
 
 def _read_nodes(reader, online, package_of):

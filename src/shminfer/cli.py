@@ -287,6 +287,28 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_where(args) -> int:
+    """Which unit this process (or --cpus) would use, and why (shminfer.locality)."""
+    from shminfer.locality import where  # noqa: PLC0415
+
+    choice = where(args.cpus, match=args.match, root=args.root)
+    if args.format == "json":
+        print(json.dumps(choice.as_dict(), indent=2))
+        return 0
+    print(f"unit: {choice.name}")
+    print(f"why: {choice.reason}")
+    print("units on this host:")
+    width = max(len(u["name"]) for u in choice.units)
+    for unit in choice.units:
+        mark = "*" if unit["name"] == choice.name else " "
+        groups = ",".join(map(str, unit["l3_groups"])) or "-"
+        print(
+            f" {mark} {unit['name']:<{width}}  node {unit['node']:<3} L3 {groups:<6} "
+            f"CPUs {unit['cpus']}"
+        )
+    return 0
+
+
 def cmd_make_model(args) -> int:
     for path in make_model(args.path, inputs=args.inputs, hidden=args.hidden, outputs=args.outputs):
         print(path)
@@ -396,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--format", choices=("json", "prometheus"), default="json")
     stats.add_argument("--timeout", type=float, default=5.0)
     stats.set_defaults(func=cmd_stats)
+
+    near = sub.add_parser(
+        "where", help="which unit a process on these CPUs would use (nearest by NUMA/L3), and why"
+    )
+    near.add_argument(
+        "--cpus", type=_cpulist, default=None, help="the caller's CPUs (default: this process's)"
+    )
+    near.add_argument("--match", default="*", help="only units whose name matches this glob")
+    near.add_argument("--root", default="/", help=argparse.SUPPRESS)  # a sysfs tree, for tests
+    near.add_argument("--format", choices=("text", "json"), default="text")
+    near.set_defaults(func=cmd_where)
 
     model = sub.add_parser("make-model", help="write a small MLP (.npz + OpenVINO IR), no download")
     model.add_argument("path")

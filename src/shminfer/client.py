@@ -269,7 +269,21 @@ class Client:
         self._stale = False  # the server went away: the next start() attaches anew
         self._seq = itertools.count(1)
         self._finalizer = None
+        self.choice = None  # set by Client.nearest: which unit, and why
         self._attach()
+
+    @classmethod
+    def nearest(cls, *, cpus=None, match: str = "*", **options) -> Client:
+        """A client of the unit (name matching the glob ``match``) nearest to this
+        process's CPUs (or ``cpus``): one in its L3 group, else on its NUMA node, else on
+        the nearest node, with a logged warning (:mod:`shminfer.locality`).
+        ``client.choice`` says which and why."""
+        from shminfer.locality import where  # noqa: PLC0415
+
+        choice = where(cpus, match=match)
+        client = cls(choice.name, **options)
+        client.choice = choice
+        return client
 
     def _attach(self):
         sock, _answer, segments = attach(self.name, self.slots_per_worker, self.timeout)

@@ -61,6 +61,18 @@ def segment_name(name: str, cpu: int) -> str:
     return f"shminfer.{check_name(name)}.cpu{int(cpu)}"
 
 
+_REGISTRY_FILE = re.compile(r"^shminfer\.([A-Za-z0-9_-]{1,64})\.json$")
+
+
+def list_names() -> list:
+    """The names of the servers that have a registry in /dev/shm (live or not), sorted."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(m.group(1) for m in map(_REGISTRY_FILE.match, entries) if m)
+
+
 def trusted_uids() -> set:
     """Users whose servers a client believes: root, itself, the ``shminfer`` service user,
     and whoever ``SHMINFER_SERVER_USERS`` (comma-separated names or uids) names."""
