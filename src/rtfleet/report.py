@@ -43,6 +43,7 @@ from rtfleet.postcheck import (
     parse_oslat,
 )
 from rtfleet.report_drift import drift_html, drift_markdown, load_drift
+from rtfleet.report_refused import load_refused, refused_html, refused_markdown
 
 FLEET_SCHEMA_VERSION = 1
 DEFAULT_MAX_US = 100
@@ -719,6 +720,7 @@ def render_markdown(fleet):
                 _BEFORE_AFTER_COLUMNS, [_before_after_cells(r) for r in fleet["before_after"]]
             )
         )
+    out.extend(refused_markdown(fleet.get("refused")))
     out.extend(drift_markdown(fleet.get("drift")))
     for entry in fleet["hosts"]:
         out += ["", "## %s (%s)" % (entry["host"], entry["kind"]), ""]
@@ -872,6 +874,7 @@ def render_html(fleet):
                 "before-after",
             )
         )
+    out.append(refused_html(fleet.get("refused")))
     out.append(drift_html(fleet.get("drift")))
     for entry in fleet["hosts"]:
         out.append(
@@ -1070,6 +1073,7 @@ def build_report(results_dir, out_dir, plots=True):
         dirs = [results_dir] if isinstance(results_dir, (str, os.PathLike)) else list(results_dir)
         fleet["results"] = [str(d) for d in dirs]
         fleet["drift"] = load_drift(dirs)  # playbooks/verify.yml: <results>/drift/*.json
+        fleet["refused"] = load_refused(dirs)  # playbooks/assess.yml: <results>/refused/*.json
         written = write_plots(fleet["hosts"], out_dir / "plots") if plots else []
         fleet["files"] = {
             "json": "fleet.json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import tarfile
 
 import pytest
 from conftest import REPO, run_local_playbook
@@ -364,3 +365,36 @@ def test_an_emulated_host_says_its_figures_mean_nothing_about_hardware(tmp_path)
     assert "EMULATED" not in metal and "Virtual machine" not in metal
     assert "Virtual machine (vmware): hwlatdetect measures the hypervisor's stalls" in text
     assert "EMULATED CPU (QEMU TCG" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_refused_hosts_show_their_deception_verdict_and_evidence(tmp_path):
+    """assess.yml's record of a refused host (the post-check role's `refused` entry point,
+    run for real on the captured VMware-like lab guest's tree) reaches fleet.json,
+    report.md and report.html; assessing a host that is not deceptive removes its record."""
+    tree = tmp_path / "tree"
+    with tarfile.open(REPO / "tests/fixtures/sysfs/lab-vmware-like.tar.gz") as tar:
+        tar.extractall(tree, filter="data")
+    playbook = tmp_path / "assess-one.yml"
+    playbook.write_text(
+        "- hosts: localhost\n"
+        "  gather_facts: false\n"
+        "  tasks:\n"
+        "    - cpu_topology: {root: '{{ tree }}'}\n"
+        "    - ansible.builtin.include_role: {name: rtfleet_postcheck, tasks_from: refused}\n"
+    )
+    results = write_results(tmp_path / "results", [host_result("epyc1")])
+    run = run_local_playbook(playbook, "-e", f"tree={tree}", "-e", f"rtfleet_report_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    (refused,) = fleet["refused"]
+    assert refused["host"] == "localhost" and refused["shown"]["sockets"] == 8
+    assert refused["summary"].startswith("virtual machine hides its CPU topology")
+    assert any("sockets of 1 core each" in e for e in refused["evidence"])
+    markdown = (tmp_path / "out/report.md").read_text()
+    assert "## Refused hosts" in markdown and "Evidence on localhost:" in markdown
+    assert "sockets of 1 core each" in (tmp_path / "out/report.html").read_text()
+    # This machine is not deceptive: assessing it drops the old record.
+    run = run_local_playbook(playbook, "-e", "tree=/", "-e", f"rtfleet_report_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert build_report(results, tmp_path / "out", plots=False)["refused"] == []
+    assert "## Refused hosts" not in (tmp_path / "out/report.md").read_text()
