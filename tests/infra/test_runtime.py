@@ -170,6 +170,21 @@ def test_units_answer_their_probe(host, rtfleet_plan):
         assert answer["ready"] and answer["worker_cpus"] == group["worker_cpus"]
 
 
+def test_samplers_find_a_unit_on_their_own_node(host, rtfleet_plan):
+    """`shminfer where`, asked for the first CPU the plan gives each unit's samplers on the
+    unit's own node, names a running unit on that node (Client.nearest() takes the same)."""
+    node_of = {g["name"]: g["numa_node"] for g in _groups(rtfleet_plan)}
+    for group in _groups(rtfleet_plan):
+        if not str(group.get("sampler_cpus_from", "")).endswith("_same_node"):
+            continue  # samplers placed off the unit's node: another unit may be nearer
+        cpu = group["sampler_cpus"][0]
+        run = host.run("%s where --cpus %s --format json", SHMINFER, str(cpu))
+        assert run.rc == 0, "shminfer where --cpus %s: %s" % (cpu, run.stderr)
+        answer = json.loads(run.stdout)
+        assert answer["local"], answer["reason"]
+        assert node_of.get(answer["unit"]) == group["numa_node"], answer["reason"]
+
+
 def test_model_files_match_their_checksums(host):
     files = read_files(host, MODELS + "/SHA256SUMS")
     assert files[MODELS + "/SHA256SUMS"], "no %s/SHA256SUMS" % MODELS
