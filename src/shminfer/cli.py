@@ -316,6 +316,10 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.what == "ray":
+        from shminfer import bench_ray  # noqa: PLC0415
+
+        return bench_ray.main(args)
     from shminfer import bench  # noqa: PLC0415
 
     return bench.main(args)
@@ -438,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(func=cmd_make_model)
 
     bench = sub.add_parser("bench", help="benchmarks (ipc: this runtime vs baselines)")
-    bench.add_argument("what", choices=("ipc",))
+    bench.add_argument(
+        "what", choices=("ipc", "ray"), help="ipc: against other IPC; ray: against Ray actors"
+    )
     bench.add_argument("--requests", type=int, default=20000)
     bench.add_argument("--idle-samples", type=int, default=10)
     bench.add_argument("--client-cpu", type=int, default=0)
