@@ -59,7 +59,9 @@ def _stats(samples_ns, elapsed_s):
     }
 
 
-def _timed(call, requests):
+def _timed(call, requests, warmup=0):
+    for _ in range(warmup):
+        call()
     samples = []
     t_start = time.perf_counter()
     for _ in range(requests):

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 
-from shminfer.bench import WIDTH, _pin, _stats
+from shminfer.bench import WIDTH, _pin, _timed
 from shminfer.queue import QueueError
 
 
@@ -60,18 +59,6 @@ class ShminferActorImpl:
 
     def infer(self, inputs):
         return self.client.infer(inputs)
-
-
-def _timed(call, requests, warmup):
-    for _ in range(warmup):
-        call()
-    samples = []
-    t_start = time.perf_counter()
-    for _ in range(requests):
-        t0 = time.perf_counter_ns()
-        call()
-        samples.append(time.perf_counter_ns() - t0)
-    return _stats(samples, time.perf_counter() - t_start)
 
 
 def main(args) -> int:

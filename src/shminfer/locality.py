@@ -119,49 +119,39 @@ def choose_unit(units, caller_cpus, topology) -> Choice:
 
     on_node = [u for u in seen if u["node"] == caller_node]
     same_l3 = [u for u in on_node if caller_l3 & set(u["l3_groups"])]
-    common = {
-        "caller_cpus": caller,
-        "caller_node": caller_node,
-        "unit_node": caller_node,
-        "units": seen,
-    }
     where = f"CPUs {_cpulist(caller)}"
-    if same_l3:
-        unit = pick(same_l3)
-        shared = sorted(caller_l3 & set(unit["l3_groups"]))
-        return Choice(
-            name=unit["name"],
-            rule=SAME_L3,
-            reason=f"{where} share L3 group {_cpulist(shared)} and NUMA node {caller_node} "
-            f"with unit {unit['name']} (CPUs {unit['cpus']})",
-            distance=_self_distance(topology, caller_node),
-            **common,
-        )
     if on_node:
-        unit = pick(on_node)
-        return Choice(
-            name=unit["name"],
-            rule=SAME_NODE,
-            reason=f"{where} are on NUMA node {caller_node}, like unit {unit['name']} "
-            f"(CPUs {unit['cpus']})",
-            distance=_self_distance(topology, caller_node),
-            **common,
+        rule = SAME_L3 if same_l3 else SAME_NODE
+        unit = pick(same_l3 or on_node)
+        distance = _self_distance(topology, caller_node)
+        if same_l3:
+            shared = _cpulist(sorted(caller_l3 & set(unit["l3_groups"])))
+            reason = f"{where} share L3 group {shared} and NUMA node {caller_node} with unit"
+        else:
+            reason = f"{where} are on NUMA node {caller_node}, like unit"
+        reason += f" {unit['name']} (CPUs {unit['cpus']})"
+    else:
+        rule = NEAREST
+        ranked = nearest_nodes(topology, caller_node, sorted({u["node"] for u in seen}))
+        best, distance = ranked[0]
+        # Nodes at the same distance are equally near: their units share the callers.
+        nearest = {n for n, d in ranked if d == distance} if distance is not None else {best}
+        unit = pick([u for u in seen if u["node"] in nearest])
+        reason = (
+            f"no unit on NUMA node {caller_node} ({where}); the nearest is unit "
+            f"{unit['name']} on node {unit['node']}"
+            + (f" at distance {distance}" if distance is not None else " (no distance table)")
+            + ": every request crosses the interconnect"
         )
-    ranked = nearest_nodes(topology, caller_node, sorted({u["node"] for u in seen}))
-    best_node, distance = ranked[0]
-    # Nodes at the same distance are equally near: their units share the callers.
-    nearest = {n for n, d in ranked if d == distance} if distance is not None else {best_node}
-    unit = pick([u for u in seen if u["node"] in nearest])
-    common["unit_node"] = unit["node"]
     return Choice(
         name=unit["name"],
-        rule=NEAREST,
-        reason=f"no unit on NUMA node {caller_node} ({where}); the nearest is unit "
-        f"{unit['name']} on node {unit['node']}"
-        + (f" at distance {distance}" if distance is not None else " (no distance table)")
-        + ": every request crosses the interconnect",
+        rule=rule,
+        reason=reason,
+        caller_cpus=caller,
+        caller_node=caller_node,
+        unit_node=unit["node"],
         distance=distance,
-        **common,
+        units=seen,
     )
 
 
