@@ -852,7 +852,6 @@ SETTINGS = {
     "rtfleet_postcheck_cyclictest_max_us": ("us", 1, True),
     "rtfleet_postcheck_cyclictest_p999_us": ("us", 1, True),
     "rtfleet_postcheck_cyclictest_min_cycles": ("count", 0, True),
-    "rtfleet_postcheck_cyclictest_loops": ("count", 0, False),
     "rtfleet_postcheck_interval_us": ("us", 1, False),
     "rtfleet_postcheck_histogram_us": ("us", 1, False),
     "rtfleet_postcheck_priority": ("priority", 1, False),
@@ -909,17 +908,6 @@ def check_settings(settings):
                 "rtfleet_postcheck_hwlatdetect_threshold_us (%s) must not be above "
                 "rtfleet_postcheck_hwlatdetect_max_us (%s): a gap between the two would go "
                 "unrecorded" % (threshold, limit)
-            )
-    except (TypeError, ValueError):
-        pass  # reported above
-    loops = settings.get("rtfleet_postcheck_cyclictest_loops")
-    min_cycles = settings.get("rtfleet_postcheck_cyclictest_min_cycles")
-    try:
-        if loops is not None and min_cycles is not None and 0 < int(loops) < int(min_cycles):
-            errors.append(
-                "rtfleet_postcheck_cyclictest_loops (%s) is below "
-                "rtfleet_postcheck_cyclictest_min_cycles (%s): every run would fail the cycles "
-                "gate; raise the loops or lower the minimum" % (loops, min_cycles)
             )
     except (TypeError, ValueError):
         pass  # reported above

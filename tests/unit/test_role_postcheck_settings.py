@@ -55,11 +55,6 @@ def _run(tmp_path, **role_vars):
             {"rtfleet_postcheck_smoke_max_jitter": -1},
             "rtfleet_postcheck_smoke_max_jitter is -1",
         ),
-        (
-            {"rtfleet_postcheck_cyclictest_loops": 10},
-            "rtfleet_postcheck_cyclictest_loops (10) is below "
-            "rtfleet_postcheck_cyclictest_min_cycles (10000)",
-        ),
     ],
 )
 def test_bad_settings_stop_the_role_before_it_reads_the_host(tmp_path, role_vars, message):
