@@ -69,6 +69,7 @@ says so (``p999_us: null, p999_beyond_histogram: true``) instead of inventing a 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from rtfleet.topology import TopologyError, format_cpulist, parse_cpulist
@@ -130,6 +131,11 @@ def _histogram_option(cmdline):
     return size, nsecs
 
 
+# cyclictest writes a thread without a cycle's average as "avg": -nan, which is not JSON;
+# read such a value as null (the thread's 0 cycles then say what happened).
+_NAN = re.compile(r":(\s*)-?nan")
+
+
 def _load_doc(doc, tool="cyclictest"):
     if isinstance(doc, (bytes, bytearray)):
         doc = doc.decode("utf-8", "replace")
@@ -140,7 +146,7 @@ def _load_doc(doc, tool="cyclictest"):
                 "was --json=FILE pointing somewhere else?)" % (tool, tool)
             )
         try:
-            doc = json.loads(doc)
+            doc = json.loads(_NAN.sub(r":\1null", doc))
         except ValueError as exc:
             raise PostcheckError(
                 "not valid JSON from %s --json (%s): capture the whole file" % (tool, exc)
@@ -184,9 +190,11 @@ def _thread_row(key, thread, hist_enabled):
             )
     cycles = _int(thread["cycles"], what + " cycles")
     if cycles <= 0:
+        where = " (CPU %s)" % thread["cpu"] if thread.get("cpu") not in (None, -1) else ""
         raise PostcheckError(
-            "%s ran 0 cycles: cyclictest stopped before its first interval; run it longer "
-            "(--duration) and check that it could take its priority (--priority needs root)" % what
+            "%s%s ran 0 cycles: its CPU never let it run, or cyclictest stopped before its "
+            "first interval; run it longer (--duration), check that it could take its "
+            "priority (--priority needs root) and what else runs there" % (what, where)
         )
     raw_hist = thread.get("histogram") or {}
     if not isinstance(raw_hist, dict):

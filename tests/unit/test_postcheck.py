@@ -180,7 +180,7 @@ def test_run_without_histogram_has_no_percentiles():
         (lambda d: d.update(return_code=1), "exited with return code 1"),
         (lambda d: d.update(thread={}), "no measurement threads"),
         (lambda d: d.pop("thread"), "no measurement threads"),
-        (lambda d: d["thread"]["0"].update(cycles=0), "thread 0 ran 0 cycles"),
+        (lambda d: d["thread"]["0"].update(cycles=0), "thread 0 (CPU 0) ran 0 cycles"),
         (lambda d: d["thread"]["0"].pop("max"), "thread 0 has no 'max'"),
         (lambda d: d["thread"]["0"].update(histogram={"x": 1}), "histogram bucket is 'x'"),
         (lambda d: d.update({"cmdline:": d["cmdline:"] + " -N"}), "--nsecs"),
@@ -391,3 +391,12 @@ def test_filters_raise_ansible_errors(filters):
         filters["rtfleet_cyclictest"]({**cyclictest_doc("hist200-overflow"), "return_code": 1})
     with pytest.raises(AnsibleFilterError, match=r"rtfleet post-check gate: .*schema"):
         filters["rtfleet_postcheck_gate"]({"host": "x"})
+
+
+def test_a_starved_thread_is_named_not_a_json_error():
+    # Real capture (tests/fixtures/cyclictest/README.md): CPU 1 held by a SCHED_FIFO 99
+    # busy loop, so its thread never ran, and cyclictest wrote its average as "-nan".
+    text = (CYCLICTEST / "starved-thread-nan.json").read_text()
+    assert '"avg": -nan' in text
+    with pytest.raises(PostcheckError, match=re.escape("thread 1 (CPU 1) ran 0 cycles")):
+        parse_cyclictest(text)
