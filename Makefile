@@ -63,7 +63,8 @@ unit: setup deps
 # CI runs `site`: the whole flow (site.yml) on the server-shaped 48-vCPU host and a
 # VMware-like one, the trial boot into the RT kernel included. lab-smoke, host (idempotence,
 # check mode, a bad trial boot), kubelet and site-epyc (the flow on the 8-vCPU EPYC-like
-# host) take 10-60 min each on 2 cores under TCG: `make molecule-all`.
+# host, with the runtime step's idempotence and check-mode runs) take 10-60 min each on 2
+# cores under TCG: `make molecule-all`.
 MOLECULE_SCENARIOS ?= site
 # Each scenario's log is kept in $(LOGDIR); on a failure, what failed is printed last.
 LOGDIR ?= .logs
