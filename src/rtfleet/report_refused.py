@@ -42,12 +42,12 @@ def load_refused(results_dirs):
 def _shown(entry):
     shown = entry["shown"]
     parts = [
-        "%d %s" % (shown[key], label)
-        for key, label in (
-            ("cpus", "CPUs"),
-            ("sockets", "sockets"),
-            ("numa_nodes", "NUMA nodes"),
-            ("l3_groups", "L3 groups"),
+        "%d %s" % (shown[key], one if shown[key] == 1 else many)
+        for key, one, many in (
+            ("cpus", "CPU", "CPUs"),
+            ("sockets", "socket", "sockets"),
+            ("numa_nodes", "NUMA node", "NUMA nodes"),
+            ("l3_groups", "L3 group", "L3 groups"),
         )
         if key in shown
     ]

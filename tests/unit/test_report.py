@@ -393,6 +393,7 @@ def test_refused_hosts_show_their_deception_verdict_and_evidence(tmp_path):
     markdown = (tmp_path / "out/report.md").read_text()
     assert "## Refused hosts" in markdown and "Evidence on localhost:" in markdown
     assert "sockets of 1 core each" in (tmp_path / "out/report.html").read_text()
+    assert "8 sockets, 1 NUMA node," in markdown
     # This machine is not deceptive: assessing it drops the old record.
     run = run_local_playbook(playbook, "-e", "tree=/", "-e", f"rtfleet_report_dir={tmp_path}")
     assert run.returncode == 0, run.stdout + run.stderr
