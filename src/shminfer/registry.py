@@ -61,16 +61,20 @@ def segment_name(name: str, cpu: int) -> str:
     return f"shminfer.{check_name(name)}.cpu{int(cpu)}"
 
 
-_REGISTRY_FILE = re.compile(r"^shminfer\.([A-Za-z0-9_-]{1,64})\.json$")
-
-
 def list_names() -> list:
-    """The names of the servers that have a registry in /dev/shm (live or not), sorted."""
+    """The names of the servers that have a registry in /dev/shm (live or not), sorted:
+    ``shminfer.NAME.json`` for every NAME that :func:`check_name` would accept."""
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return []
-    return sorted(m.group(1) for m in map(_REGISTRY_FILE.match, entries) if m)
+    prefix, suffix = "shminfer.", ".json"
+    names = (
+        e[len(prefix) : -len(suffix)]
+        for e in entries
+        if e.startswith(prefix) and e.endswith(suffix)
+    )
+    return sorted(n for n in names if _NAME.match(n))
 
 
 def trusted_uids() -> set:
@@ -263,4 +267,9 @@ def remove_stale(name: str) -> list:
 
 
 def alive(data: dict) -> bool:
-    return _sys.alive(int(data.get("pid", 0)), data.get("pid_start", -1))
+    """Is the registry's server running? A pid that is not a positive integer (a registry
+    written by hand or scribbled) names no process: False, never an exception."""
+    pid = data.get("pid")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    return _sys.alive(pid, data.get("pid_start", -1))

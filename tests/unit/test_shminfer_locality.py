@@ -23,6 +23,7 @@ from shminfer import cli
 from shminfer.client import Client
 from shminfer.locality import NEAREST, SAME_L3, SAME_NODE, choose_unit, running_units, where
 from shminfer.queue import QueueError
+from shminfer.registry import registry_path
 
 BIG = ("epyc-7763-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0")
 # The server-shaped lab guest's captured tree, with the lab inventory's policy for it
@@ -169,6 +170,45 @@ def test_real_servers_are_found_through_their_registries_and_the_nearest_is_used
             assert out
         finally:
             client.close()
+
+
+def test_scribbled_or_foreign_registries_are_skipped_not_fatal(tmp_path):
+    """Registries a crashed server, a peer or a hand left in /dev/shm: bad JSON, a pid that
+    is no number, workers naming files that are not the server's, a symlink elsewhere, a
+    name no server could have. where() skips them and still finds the live unit."""
+    prefix = "loc%dh" % os.getpid()
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"pid": 1, "workers": []}')
+    scribbled = {
+        prefix + "json": "{not json",
+        prefix + "pid": json.dumps({"pid": "x", "pid_start": 1, "workers": []}),
+        prefix + "foreign": json.dumps(
+            {"pid": os.getpid(), "workers": [{"cpu": 0, "segment": "/etc/passwd"}]}
+        ),
+        prefix + "dead": json.dumps(
+            {
+                "pid": 2**22 + 7,
+                "pid_start": 1,
+                "workers": [{"cpu": 0, "segment": "shminfer.%sdead.cpu0" % prefix}],
+            }
+        ),
+    }
+    paths = [Path(registry_path(name)) for name in scribbled]
+    try:
+        for path, text in zip(paths, scribbled.values()):
+            path.write_text(text)
+        link = Path(registry_path(prefix + "link"))
+        link.symlink_to(target)
+        paths.append(link)
+        odd = Path("/dev/shm/shminfer.%s.x.json" % prefix)  # not a name check_name accepts
+        odd.write_text("{}")
+        paths.append(odd)
+        with serving(name=prefix + "live", cpus=CPUS[-1:]):
+            assert [u["name"] for u in running_units(prefix + "*")] == [prefix + "live"]
+            assert where([CPUS[0]], match=prefix + "*").name == prefix + "live"
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 def test_where_prints_the_unit_and_why(capsys):
