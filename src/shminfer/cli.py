@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "what", choices=("ipc", "ray"), help="ipc: against other IPC; ray: against Ray actors"
     )
-    bench.add_argument("--requests", type=int, default=20000)
+    bench.add_argument("--requests", type=_bounded("--requests", 1, 10**8), default=20000)
     bench.add_argument("--idle-samples", type=int, default=10)
     bench.add_argument("--client-cpu", type=int, default=0)
     bench.add_argument("--server-cpu", type=int, default=1)

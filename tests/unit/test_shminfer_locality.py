@@ -223,3 +223,20 @@ def test_where_prints_the_unit_and_why(capsys):
         assert answer["caller_cpus"] == sorted(os.sched_getaffinity(0))
     assert cli.main(["where", "--match", name]) == 2
     assert "no running shminfer unit on this host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["where", "--cpus", "3-1"], "--cpus"),
+        (["where", "--format", "yaml"], "invalid choice"),
+        (["bench", "ray", "--requests", "0"], "--requests must be 1..100000000, got 0"),
+        (["bench", "ipc", "--requests", "x"], "--requests takes an integer, got 'x'"),
+    ],
+)
+def test_bad_flags_are_one_line_before_anything_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
