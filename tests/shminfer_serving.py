@@ -7,7 +7,7 @@ import os
 import threading
 import uuid
 
-from shminfer.registry import registry_path, segment_name
+from shminfer.registry import registry_path, socket_path
 from shminfer.server import Server
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -57,5 +57,4 @@ def serving(
         server.stop()
         if check_cleanup:
             assert not os.path.exists(registry_path(name))
-            for cpu in server.cpus:
-                assert not os.path.exists(f"/dev/shm/{segment_name(name, cpu)}")
+            assert not os.path.exists(socket_path(name))

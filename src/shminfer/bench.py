@@ -27,10 +27,12 @@ fallback's p50 <= 20 us where the C path's is <= 12 us.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import pickle
+import shutil
 import socket
 import struct
 import tempfile
@@ -365,7 +367,29 @@ def _deschedule(server_cpu, client_cpu, requests):
     return summary
 
 
+@contextlib.contextmanager
+def private_run_dir():
+    """The bench's servers publish in a temporary directory of their own (SHMINFER_DIR,
+    which spawned workers and Ray's workers inherit), unless SHMINFER_DIR is set: a bench
+    needs neither root nor /run/shminfer and never meets a deployed unit."""
+    if os.environ.get("SHMINFER_DIR"):
+        yield os.environ["SHMINFER_DIR"]
+        return
+    path = tempfile.mkdtemp(prefix="shminfer-bench-")
+    os.environ["SHMINFER_DIR"] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop("SHMINFER_DIR", None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main(args) -> int:
+    with private_run_dir():
+        return _main(args)
+
+
+def _main(args) -> int:
     ctx = multiprocessing.get_context("spawn")
     everywhere = os.sched_getaffinity(0)
     inputs = {"x": np.random.default_rng(0).standard_normal((1, WIDTH)).astype(np.float32)}

@@ -62,6 +62,13 @@ class ShminferActorImpl:
 
 
 def main(args) -> int:
+    from shminfer.bench import private_run_dir  # noqa: PLC0415
+
+    with private_run_dir():  # before ray.init: its workers inherit it
+        return _main(args)
+
+
+def _main(args) -> int:
     ray = _ray()
     from shminfer.bench import _ShmVariant  # noqa: PLC0415
 

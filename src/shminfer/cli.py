@@ -137,6 +137,12 @@ def cmd_smoke(args) -> int:
         )
         return 2
     rng = np.random.default_rng(0)
+    choice = None
+    if not args.name:  # a sampler: the unit nearest to its CPUs
+        from shminfer.locality import where  # noqa: PLC0415
+
+        choice = where(match=args.match)
+        args.name = choice.name
     with _connect(args) as client:
         client.wait_ready(args.ready_timeout)
         model = client.model
@@ -163,6 +169,7 @@ def cmd_smoke(args) -> int:
     lat = np.array(latencies) if latencies else np.array([np.nan])
     result = {
         "server": args.name,
+        **({"choice": choice.as_dict()} if choice else {}),
         "requests": args.requests,
         "errors": errors,
         "latency_ms_p50": float(np.quantile(lat, 0.5)),
@@ -330,7 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run a server: one pinned worker per CPU")
-    serve.add_argument("--name", required=True, help="server name (names files in /dev/shm)")
+    serve.add_argument(
+        "--name",
+        required=True,
+        help="server name (its directory: $SHMINFER_DIR/NAME, default /run/shminfer/NAME)",
+    )
     serve.add_argument("--cpus", required=True, type=_cpulist, help="worker CPUs, e.g. 2-7")
     serve.add_argument(
         "--numa-node",
@@ -389,7 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     smoke = sub.add_parser("smoke", help="N requests against a running server, with gates")
-    smoke.add_argument("--name", required=True)
+    smoke.add_argument(
+        "--name",
+        help="the server; default: the running unit nearest to this process's CPUs "
+        "(as `shminfer where` picks it, among names matching --match)",
+    )
+    smoke.add_argument("--match", default="*", help="glob on unit names, without --name")
     smoke.add_argument("-n", "--requests", type=int, default=1000)
     smoke.add_argument("--warmup", type=int, default=50)
     smoke.add_argument("--batch", type=int, default=1)

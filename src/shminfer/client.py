@@ -36,7 +36,14 @@ from shminfer.queue import (
     QueueError,
     Segment,
 )
-from shminfer.registry import check_name, check_owner, read_registry, segment_name, socket_path
+from shminfer.registry import (
+    check_owner,
+    check_unit_dir,
+    not_in_group,
+    read_registry,
+    segment_name,
+    socket_path,
+)
 
 _SAFETY_WAIT_S = 0.05
 _MAX_ANSWER = 1 << 16
@@ -162,7 +169,7 @@ def attach(name: str, slots_per_worker: int, timeout: float):
     The socket must be the one the expected path names, owned by a trusted user, and its
     peer (SO_PEERCRED) that same user; the segments arrive as sealed memfds.
     """
-    check_name(name)
+    check_unit_dir(name)  # missing, not in the group, or a stranger's: one line each
     path = socket_path(name)
     try:
         st = os.lstat(path)
@@ -179,7 +186,7 @@ def attach(name: str, slots_per_worker: int, timeout: float):
         try:
             sock.connect(path)
         except PermissionError:
-            raise QueueError(f"{path}: permission denied (not in the server's group?)") from None
+            raise QueueError(not_in_group(path, st.st_gid)) from None
         except (ConnectionRefusedError, FileNotFoundError):
             raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

@@ -105,8 +105,8 @@ def choose_unit(units, caller_cpus, topology) -> Choice:
         seen.append({"name": unit["name"], "cpus": cpus, "node": node, "l3_groups": groups})
     if not seen:
         raise QueueError(
-            "no running shminfer unit on this host to choose from (is the runtime step "
-            "deployed, /dev/shm mounted, and this user in the runtime's group?)"
+            "no running shminfer unit of this host's CPUs to choose from (units of "
+            "another machine?)"
         )
     caller_node = _node_of_cpus(caller, node_of)
     if caller_node is None:
@@ -162,22 +162,49 @@ def _self_distance(topology, node_id):
     return None
 
 
-def running_units(match: str = "*", trusted=None) -> list:
+def running_units(match: str = "*", trusted=None, skipped=None) -> list:
     """``[{"name", "cpus"}]`` of every live server on this host whose name matches the
     glob ``match`` (a host serving two models: ``policy-*``) and whose registry this
-    process may read and trust; the others are skipped (a debug log line says why)."""
-    from shminfer.registry import alive, list_names, read_registry  # noqa: PLC0415
+    process may read and trust; the others are skipped (a debug log line says why, and
+    ``skipped``, a list, gets ``(name, reason)``)."""
+    from shminfer.registry import (  # noqa: PLC0415
+        alive,
+        check_unit_dir,
+        list_names,
+        read_registry,
+        registry_path,
+    )
 
     units = []
     for name in fnmatch.filter(list_names(), match):
         try:
+            check_unit_dir(name, trusted)
+            if not os.path.lexists(registry_path(name)):
+                continue  # the directory of a server that stopped
             data = read_registry(name, trusted)
         except QueueError as exc:
             log.debug("unit %s skipped: %s", name, exc)
+            if skipped is not None:
+                skipped.append((name, str(exc)))
             continue
         if alive(data):
             units.append({"name": name, "cpus": [w["cpu"] for w in data["workers"]]})
     return units
+
+
+def none_running(match: str, skipped) -> str:
+    """Why a caller found no unit, in one line that says what to fix: the runtime directory
+    is not there (not deployed, or a container without the mount), every unit refused
+    this process (not in the group: the first unit's reason), or none runs."""
+    from shminfer.registry import missing_dir, run_dir  # noqa: PLC0415
+
+    base = run_dir()
+    if not os.path.isdir(base):
+        return missing_dir(base)
+    if skipped:
+        _name, reason = skipped[0]
+        return f"no usable shminfer unit matching {match!r}: {reason}"
+    return f"no running shminfer unit matching {match!r} in {base} (is the runtime deployed?)"
 
 
 def where(cpus=None, *, match: str = "*", root: str = "/") -> Choice:
@@ -186,7 +213,11 @@ def where(cpus=None, *, match: str = "*", root: str = "/") -> Choice:
     from rtfleet.topology import read_topology  # noqa: PLC0415
 
     caller = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    choice = choose_unit(running_units(match), caller, read_topology(root))
+    skipped = []
+    units = running_units(match, skipped=skipped)
+    if not units:
+        raise QueueError(none_running(match, skipped))
+    choice = choose_unit(units, caller, read_topology(root))
     if not choice.local:
         log.warning("shminfer: %s", choice.reason)
     return choice

@@ -44,7 +44,6 @@ import numpy as np
 from shminfer import _sys
 
 MAGIC = b"SHMINF01"
-SHM_DIR = "/dev/shm"
 PAGE = 4096
 SLOT_HEADER = 128
 
@@ -133,10 +132,6 @@ MAX_SLOT_BYTES = 1 << 30
 
 class QueueError(RuntimeError):
     pass
-
-
-def segment_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
 
 
 def _mem_available():

@@ -1,16 +1,23 @@
-"""What a server publishes in /dev/shm, and how peers find it without being fooled.
+"""What a server publishes, and how peers find it without being fooled.
 
-Files, all named ``shminfer.NAME.*`` in /dev/shm:
+Every server has a directory of its own, ``RUN_DIR/NAME`` (RUN_DIR is ``$SHMINFER_DIR``,
+else ``/run/shminfer``; the systemd unit's ``RuntimeDirectory=shminfer/%i`` makes it). It
+is the server user's, so nobody else can create, swap or remove a file in it: 0700, or with
+``--group`` 0751 and group-owned (others may reach a file they know the name of, such as
+node_exporter the world-readable ``metrics.prom``, but not list; the registry and socket
+are the group's). A Kubernetes pod mounts exactly RUN_DIR, read-only, instead of the
+host's /dev/shm or its IPC namespace. In it:
 
-``.lock``  0600, flock(2)-held by the running server for its whole life: exactly one
-           server per name, and only the holder ever removes the other files.
-``.json``  the registry (0640 with ``--group``, else 0600): pid, workers, socket name.
-``.sock``  the unix socket clients connect to; the server leases slots over it and hands
-           the queue segments (sealed memfds) with SCM_RIGHTS. 0660 with ``--group``.
+``server.lock``    0600, flock(2)-held by the running server for its whole life: exactly
+                   one server per name, and only the holder ever removes the other files.
+``registry.json``  the registry (0640 with ``--group``, else 0600): pid, workers, socket.
+``server.sock``    the unix socket clients connect to; the server leases slots over it and
+                   hands the queue segments (sealed memfds) with SCM_RIGHTS. 0660 with
+                   ``--group``. Connecting works through a read-only mount.
 
 Writers never follow symlinks and create temp files O_EXCL under random names; readers
-open with O_NOFOLLOW and check, with fstat, that a trusted user owns the file and that
-nobody else can write it.
+check that a trusted user owns the directory, open with O_NOFOLLOW and check, with fstat,
+that a trusted user owns the file and that nobody else can write it.
 """
 
 from __future__ import annotations
@@ -26,55 +33,139 @@ import secrets
 import stat
 
 from shminfer import _sys
-from shminfer.queue import SHM_DIR, QueueError
+from shminfer.queue import QueueError
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_REGISTRY = 1 << 16
+DEFAULT_DIR = "/run/shminfer"
+REGISTRY, SOCKET, LOCK = "registry.json", "server.sock", "server.lock"
 
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise QueueError(
             f"server name {name!r} must be 1-64 letters, digits, '_' or '-' "
-            "(it names files in /dev/shm)"
+            "(it names the server's directory)"
         )
     return name
 
 
+def run_dir() -> str:
+    """Where servers publish: ``$SHMINFER_DIR``, else /run/shminfer."""
+    path = os.environ.get("SHMINFER_DIR") or DEFAULT_DIR
+    if not os.path.isabs(path):
+        raise QueueError(f"SHMINFER_DIR={path!r} must be an absolute path")
+    return path
+
+
+def unit_dir(name: str) -> str:
+    return os.path.join(run_dir(), check_name(name))
+
+
 def registry_path(name: str) -> str:
-    return os.path.join(SHM_DIR, f"shminfer.{check_name(name)}.json")
+    return os.path.join(unit_dir(name), REGISTRY)
 
 
 def socket_name(name: str) -> str:
-    return f"shminfer.{check_name(name)}.sock"
+    check_name(name)
+    return SOCKET
 
 
 def socket_path(name: str) -> str:
-    return os.path.join(SHM_DIR, socket_name(name))
+    return os.path.join(unit_dir(name), SOCKET)
 
 
 def lock_path(name: str) -> str:
-    return os.path.join(SHM_DIR, f"shminfer.{check_name(name)}.lock")
+    return os.path.join(unit_dir(name), LOCK)
 
 
 def segment_name(name: str, cpu: int) -> str:
     return f"shminfer.{check_name(name)}.cpu{int(cpu)}"
 
 
-def list_names() -> list:
-    """The names of the servers that have a registry in /dev/shm (live or not), sorted:
-    ``shminfer.NAME.json`` for every NAME that :func:`check_name` would accept."""
+def make_unit_dir(name: str, gid: int | None = None) -> str:
+    """The server's own directory, made when missing (systemd's ``RuntimeDirectory=`` makes
+    it for the unit): refused unless this user owns it; then 0751 and group ``gid`` with
+    ``--group``, else 0700, so nobody else may create, swap or remove a file in it."""
+    base, path = run_dir(), unit_dir(name)
+    hint = (
+        "run the server as its systemd unit (RuntimeDirectory=), or set SHMINFER_DIR "
+        "to a directory this user may write"
+    )
     try:
-        entries = os.listdir(SHM_DIR)
+        os.makedirs(base, mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise QueueError(f"{path} is not a directory (a symlink or file?): remove it") from None
+        raise QueueError(f"cannot make {path} ({exc.strerror}): {hint}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise QueueError(
+                f"{path} belongs to uid {st.st_uid}, not this server's user "
+                f"(uid {os.geteuid()}): remove it"
+            )
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o751 if gid is not None else 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def check_unit_dir(name: str, trusted=None) -> str:
+    """A client's view of ``RUN_DIR/NAME``: missing, unreadable (not in the group) or not a
+    trusted user's own directory are each a one-line error saying what to fix."""
+    base, path = run_dir(), unit_dir(name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not os.path.isdir(base):
+            raise QueueError(missing_dir(base)) from None
+        raise QueueError(f"no shminfer server named {name!r} ({path} is missing)") from None
+    except PermissionError:
+        raise QueueError(f"{base}: permission denied (it should be 0755)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise QueueError(f"{path} is not a directory (a symlink or file planted there?): refused")
+    check_owner(st, path, trusted)
+    if not os.access(path, os.X_OK):
+        raise QueueError(not_in_group(path, st.st_gid))
+    return path
+
+
+def not_in_group(path: str, gid: int) -> str:
+    return (
+        f"{path}: permission denied: this process (uid {os.getuid()}, groups "
+        f"{sorted(os.getgroups())}) is not in the server's group {gid} "
+        f"(a pod needs securityContext.supplementalGroups: [{gid}])"
+    )
+
+
+def _gid(path: str):
+    try:
+        return os.lstat(path).st_gid
+    except OSError:
+        return "?"
+
+
+def missing_dir(base: str) -> str:
+    return (
+        f"{base} is missing: no shminfer server runs here (in a container, mount the host's "
+        f"{DEFAULT_DIR} at {base}: a read-only hostPath volume; or set SHMINFER_DIR)"
+    )
+
+
+def list_names() -> list:
+    """The names of the servers that have a directory in RUN_DIR (live or not), sorted:
+    every entry whose name :func:`check_name` would accept."""
+    try:
+        entries = os.listdir(run_dir())
     except OSError:
         return []
-    prefix, suffix = "shminfer.", ".json"
-    names = (
-        e[len(prefix) : -len(suffix)]
-        for e in entries
-        if e.startswith(prefix) and e.endswith(suffix)
-    )
-    return sorted(n for n in names if _NAME.match(n))
+    return sorted(e for e in entries if _NAME.match(e))
 
 
 def trusted_uids() -> set:
@@ -111,13 +202,14 @@ def check_owner(st, what: str, trusted=None, *, group_may_write=False) -> None:
 
 
 def read_registry(name: str, trusted=None) -> dict:
+    check_unit_dir(name, trusted)
     path = registry_path(name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise QueueError(f"no shminfer server named {name!r} ({path} is missing)") from None
     except PermissionError:
-        raise QueueError(f"{path}: permission denied (not in the server's group?)") from None
+        raise QueueError(not_in_group(path, _gid(path))) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise QueueError(f"{path} is a symlink: refused") from None
@@ -243,19 +335,18 @@ def _running_pid(name):
 
 
 def remove_stale(name: str) -> list:
-    """Remove what a crashed server of this name left behind. Call with its NameLock held.
-
-    Only this user's files go (lstat, never following a link); a live server cannot own
-    them, as it would hold the lock.
-    """
+    """Remove what a crashed server of this name left in its directory. Call with its
+    NameLock held: a live server cannot own them, as it would hold the lock. Only this
+    user's files go (lstat, never following a link)."""
     removed = []
     owned = re.compile(
-        r"^shminfer\.%s\.(cpu\d+|json|sock|json(\.[0-9a-f]{16})?\.tmp)$" % re.escape(name)
+        r"^(%s|%s(\.[0-9a-f]{16}\.tmp)?)$" % (re.escape(SOCKET), re.escape(REGISTRY))
     )
-    for entry in os.listdir(SHM_DIR):
+    directory = unit_dir(name)
+    for entry in os.listdir(directory):
         if not owned.match(entry):
             continue
-        path = os.path.join(SHM_DIR, entry)
+        path = os.path.join(directory, entry)
         try:
             if os.lstat(path).st_uid != os.geteuid():
                 continue

@@ -45,6 +45,7 @@ from shminfer.registry import (
     NameLock,
     atomic_write,
     check_name,
+    make_unit_dir,
     registry_path,
     remove_stale,
     segment_name,
@@ -176,6 +177,7 @@ class Server:
 
     def start(self):
         """Check the model, take the name, create the queues, open the socket, spawn."""
+        make_unit_dir(self.name, self.gid)
         self._lock = NameLock(self.name)  # raises at once if another server has the name
         try:
             check_model(self.backend, self.model)
@@ -235,7 +237,7 @@ class Server:
             os.umask(old_umask)
         if self.gid is not None:
             os.chown(path, -1, self.gid, follow_symlinks=False)
-        os.chmod(path, self.mode)  # ours: /dev/shm is sticky, nobody can swap it meanwhile
+        os.chmod(path, self.mode)  # in our own directory: nobody can swap it meanwhile
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener

@@ -99,12 +99,9 @@ def test_unit_memory_is_bound_to_its_node(host, rtfleet_plan):
                 node,
             )
             # Memory the process allocated itself: anonymous mappings (heap, stacks, arenas)
-            # and its own queues in /dev/shm. Shared libraries' page cache may have been
+            # and its own queues (sealed memfds). Shared libraries' page cache may have been
             # read in by another unit, on another node, first.
-            own = (
-                "file=/dev/shm/shminfer.%s." % group["name"],
-                "file=/memfd:shminfer.%s." % group["name"],  # the sealed queue segments
-            )
+            own = ("file=/memfd:shminfer.%s." % group["name"],)
             elsewhere = {
                 n
                 for m in proc["numa_maps"]
@@ -168,6 +165,28 @@ def test_units_answer_their_probe(host, rtfleet_plan):
         assert probe.rc == 0, "shminfer@%s probe: %s" % (group["name"], probe.stderr)
         answer = json.loads(probe.stdout)
         assert answer["ready"] and answer["worker_cpus"] == group["worker_cpus"]
+
+
+def test_each_unit_publishes_in_its_own_directory_and_nothing_in_dev_shm(host, rtfleet_plan):
+    """What a pod mounts (/run/shminfer, read-only) holds one directory per unit, the
+    service user's (nobody else can plant or swap a file), group shminfer; the registry
+    and the socket are the group's; the queues are memfds, so /dev/shm has nothing."""
+    for group in _groups(rtfleet_plan):
+        path = "/run/shminfer/%s" % group["name"]
+        unit_dir = host.file(path)
+        assert unit_dir.is_directory and not unit_dir.is_symlink, path
+        assert (unit_dir.user, unit_dir.group, unit_dir.mode) == ("shminfer", "shminfer", 0o751)
+        registry = host.file(path + "/registry.json")
+        assert (registry.user, registry.group, registry.mode) == ("shminfer", "shminfer", 0o640)
+        sock = host.file(path + "/server.sock")
+        assert sock.is_socket and (sock.user, sock.group, sock.mode) == (
+            "shminfer",
+            "shminfer",
+            0o660,
+        )
+    assert host.file("/run/shminfer").mode == 0o755
+    leftovers = host.run("find /dev/shm -maxdepth 1 -name 'shminfer*'").stdout.split()
+    assert not leftovers, "shminfer files in /dev/shm: %s" % leftovers
 
 
 def test_samplers_find_a_unit_on_their_own_node(host, rtfleet_plan):

@@ -18,6 +18,23 @@ if str(TESTS) not in sys.path:
 import sysfs_gen  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shminfer_dir():
+    """Every server of the suite publishes in a directory of its own (SHMINFER_DIR, which
+    spawned workers, CLIs and Ray actors inherit), never in a deployed host's /run/shminfer.
+    0755 like /run/shminfer, so peers running as other users reach their servers."""
+    base = tempfile.mkdtemp(prefix="shminfer-run-")
+    os.chmod(base, 0o755)
+    old = os.environ.get("SHMINFER_DIR")
+    os.environ["SHMINFER_DIR"] = base
+    yield base
+    if old is None:
+        os.environ.pop("SHMINFER_DIR", None)
+    else:
+        os.environ["SHMINFER_DIR"] = old
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def trees():
     """trees(name) -> root of the generated tree for that shape (tests/fixtures/shapes/)."""

@@ -22,8 +22,15 @@ from shminfer import _sys
 from shminfer.backends import BackendError, make_backend, make_model
 from shminfer.client import Client, InferenceError
 from shminfer.codec import Decoder, Encoder, PayloadError
-from shminfer.queue import FREE, PROCESSING, QueueError, Segment
-from shminfer.registry import atomic_write, registry_path, segment_name
+from shminfer.queue import FREE, PROCESSING, QueueError
+from shminfer.registry import (
+    atomic_write,
+    make_unit_dir,
+    registry_path,
+    segment_name,
+    socket_path,
+    unit_dir,
+)
 from shminfer.server import Server
 
 
@@ -290,15 +297,16 @@ def test_a_killed_client_loses_its_slots_to_the_server():
             assert np.all(client.infer(_x(4.0))["y"] == 4.0)
 
 
-def test_stale_segments_from_a_crash_are_removed_and_a_live_server_is_not_clobbered():
+def test_stale_files_from_a_crash_are_removed_and_a_live_server_is_not_clobbered():
     name = f"t{uuid.uuid4().hex[:10]}"
-    stale = Segment.create(segment_name(name, 0), slot_count=2)
-    stale.close()
+    make_unit_dir(name)
     with open(registry_path(name), "w") as handle:  # a supervisor that died
         json.dump({"pid": 999999, "pid_start": 1, "workers": []}, handle)
+    with open(socket_path(name), "w"):  # and the socket it left (here a plain file)
+        pass
     with serving(name=name) as server, Client(name) as client:
         client.wait_ready(60)
-        assert not os.path.exists(f"/dev/shm/{segment_name(name, 0)}") or 0 in server.cpus
+        assert stat.S_ISSOCK(os.lstat(socket_path(name)).st_mode)
         with pytest.raises(QueueError, match="already running"):
             Server(name, server.cpus, numa_node=-1).start()
         assert np.all(client.infer(_x(5.0))["y"] == 5.0)
@@ -307,8 +315,8 @@ def test_stale_segments_from_a_crash_are_removed_and_a_live_server_is_not_clobbe
 def test_segments_are_private_to_their_user():
     with serving() as server:
         # The segments are sealed memfds handed over the socket: the socket is the door.
-        sock = f"/dev/shm/shminfer.{server.name}.sock"
-        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(unit_dir(server.name)).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(socket_path(server.name)).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(registry_path(server.name)).st_mode) == 0o600
         if os.geteuid() != 0:
             pytest.skip("needs root to try as another user")
@@ -530,7 +538,7 @@ def test_cli_serve_smoke_stats_metrics_and_clean_sigterm(tmp_path):
         assert serve.wait(30) == 0
     assert not (tmp_path / "shminfer.prom").exists(), "a stopped server left its metrics"
     assert not os.path.exists(registry_path(name))
-    assert not os.path.exists(f"/dev/shm/{segment_name(name, CPUS[-1])}")
+    assert not os.path.exists(socket_path(name))
 
 
 @pytest.mark.parametrize(

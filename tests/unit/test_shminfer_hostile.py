@@ -23,7 +23,16 @@ from shminfer_serving import serving as _serving
 from shminfer.client import Client, InferenceError, Pending, ServerStopped
 from shminfer.codec import Decoder, Encoder, PayloadError
 from shminfer.queue import DONE, ERROR, PROCESSING, QueueError
-from shminfer.registry import read_registry, registry_path, socket_path
+from shminfer.registry import (
+    LOCK,
+    REGISTRY,
+    SOCKET,
+    make_unit_dir,
+    read_registry,
+    registry_path,
+    socket_path,
+    unit_dir,
+)
 from shminfer.server import Server
 
 
@@ -468,9 +477,8 @@ def test_no_peer_can_truncate_a_segment_and_the_server_keeps_serving():
     with serving(slots=4) as server, Client(server.name) as client:
         client.wait_ready(60)
         seg = client.lanes[0].seg
-        assert not [
-            f for f in os.listdir("/dev/shm") if f.startswith(f"shminfer.{server.name}.cpu")
-        ]
+        # No segment file anywhere: the server's directory holds only its door.
+        assert sorted(os.listdir(unit_dir(server.name))) == sorted([LOCK, REGISTRY, SOCKET])
         with pytest.raises(PermissionError):
             os.ftruncate(seg.fd, 4096)
         # Re-opened through /proc (a fresh open file description): still sealed.
@@ -516,9 +524,11 @@ def test_the_registry_temp_file_never_follows_a_planted_symlink(tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     victim.chmod(0o644)
+    make_unit_dir(name)  # as root, or a user the directory's mode once let in
     os.symlink(victim, registry_path(name) + ".tmp")
     try:
         with serving(name=name, server_options={"group": "root"}):
+            assert stat.S_IMODE(os.stat(unit_dir(name)).st_mode) == 0o751
             assert stat.S_IMODE(os.stat(registry_path(name)).st_mode) == 0o640
             assert stat.S_IMODE(os.stat(socket_path(name)).st_mode) == 0o660
             # Group members connect to the 0660 socket (it was refused as "group-writable").
@@ -640,6 +650,7 @@ def test_a_silent_peer_connection_stalls_nobody_and_client_timeouts_hold(tmp_pat
     # A server that accepts and never answers: Client() gives up within its timeout.
     name = f"h{uuid.uuid4().hex[:10]}"
     mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    make_unit_dir(name)
     mute.bind(socket_path(name))
     os.chmod(socket_path(name), 0o600)
     mute.listen(4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from shminfer import cli
 from shminfer.client import Client
 from shminfer.locality import NEAREST, SAME_L3, SAME_NODE, choose_unit, running_units, where
 from shminfer.queue import QueueError
-from shminfer.registry import registry_path
+from shminfer.registry import make_unit_dir, registry_path, run_dir, unit_dir
 
 BIG = ("epyc-7763-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0")
 # The server-shaped lab guest's captured tree, with the lab inventory's policy for it
@@ -136,7 +137,7 @@ def test_a_caller_spanning_nodes_belongs_to_the_node_of_most_of_its_cpus(hosts):
 
 def test_bad_input_is_one_clear_error(hosts):
     topology, plan = hosts["epyc-7763-2s"]
-    with pytest.raises(QueueError, match="no running shminfer unit on this host"):
+    with pytest.raises(QueueError, match="no running shminfer unit of this host's CPUs"):
         choose_unit([], [0], topology)
     with pytest.raises(QueueError, match="not in this host's topology"):
         choose_unit(_units(plan), [100000], topology)
@@ -173,9 +174,10 @@ def test_real_servers_are_found_through_their_registries_and_the_nearest_is_used
 
 
 def test_scribbled_or_foreign_registries_are_skipped_not_fatal(tmp_path):
-    """Registries a crashed server, a peer or a hand left in /dev/shm: bad JSON, a pid that
-    is no number, workers naming files that are not the server's, a symlink elsewhere, a
-    name no server could have. where() skips them and still finds the live unit."""
+    """What a crashed server, a peer or a hand left in the run directory: bad JSON, a pid
+    that is no number, workers naming files that are not the server's, a registry that is
+    a symlink, a directory that is a symlink or a stranger's, a name no server could have.
+    where() skips them and still finds the live unit."""
     prefix = "loc%dh" % os.getpid()
     target = tmp_path / "elsewhere.json"
     target.write_text('{"pid": 1, "workers": []}')
@@ -193,22 +195,39 @@ def test_scribbled_or_foreign_registries_are_skipped_not_fatal(tmp_path):
             }
         ),
     }
-    paths = [Path(registry_path(name)) for name in scribbled]
+    dirs = [Path(unit_dir(name)) for name in [*scribbled, prefix + "link", prefix + "dirlink"]]
     try:
-        for path, text in zip(paths, scribbled.values()):
-            path.write_text(text)
-        link = Path(registry_path(prefix + "link"))
-        link.symlink_to(target)
-        paths.append(link)
-        odd = Path("/dev/shm/shminfer.%s.x.json" % prefix)  # not a name check_name accepts
-        odd.write_text("{}")
-        paths.append(odd)
+        for name, text in scribbled.items():
+            make_unit_dir(name)
+            Path(registry_path(name)).write_text(text)
+        make_unit_dir(prefix + "link")
+        Path(registry_path(prefix + "link")).symlink_to(target)
+        Path(unit_dir(prefix + "dirlink")).symlink_to(tmp_path)
+        odd = Path(run_dir(), prefix + ".x")  # not a name check_name accepts
+        odd.mkdir()
+        dirs.append(odd)
+        Path(odd, "registry.json").write_text("{}")
+        if os.geteuid() == 0:  # a stranger's directory with a copy of a live registry
+            stranger = Path(unit_dir(prefix + "stranger"))
+            stranger.mkdir()
+            dirs.append(stranger)
+            os.chown(stranger, 65534, 65534)
         with serving(name=prefix + "live", cpus=CPUS[-1:]):
-            assert [u["name"] for u in running_units(prefix + "*")] == [prefix + "live"]
+            skipped = []
+            live = running_units(prefix + "*", skipped=skipped)
+            assert [u["name"] for u in live] == [prefix + "live"]
             assert where([CPUS[0]], match=prefix + "*").name == prefix + "live"
+            reasons = dict(skipped)
+            assert "not a directory" in reasons[prefix + "dirlink"]
+            assert "symlink" in reasons[prefix + "link"]
+            if os.geteuid() == 0:
+                assert "not a trusted server user" in reasons[prefix + "stranger"]
     finally:
-        for path in paths:
-            path.unlink(missing_ok=True)
+        for path in dirs:
+            if path.is_symlink():
+                path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def test_where_prints_the_unit_and_why(capsys):
@@ -221,8 +240,9 @@ def test_where_prints_the_unit_and_why(capsys):
         answer = json.loads(capsys.readouterr().out)
         assert answer["unit"] == name and answer["local"] is True
         assert answer["caller_cpus"] == sorted(os.sched_getaffinity(0))
+    # Stopped: its directory stays (systemd removes a unit's), its registry is gone.
     assert cli.main(["where", "--match", name]) == 2
-    assert "no running shminfer unit on this host" in capsys.readouterr().err
+    assert f"no running shminfer unit matching '{name}' in " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
