@@ -24,6 +24,7 @@ try:
         hardware_gate,
         parse_cyclictest,
     )
+    from rtfleet.sampler import SamplerError, check_manifest_text, sampler_classes
     from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist
 
     _IMPORT_ERROR = None
@@ -136,6 +137,27 @@ def rtfleet_postcheck_settings_errors(settings):
     return check_settings(dict(settings or {}))
 
 
+def rtfleet_sampler_classes(records, threads=1, replicas_per_unit=1, memory_mib=512):
+    """{{ host_records | rtfleet_sampler_classes(threads=2) }} -> [{"host_class", "spec",
+    "node_names"}]: the sampler manifest's figures per host class (rtfleet.sampler)."""
+    _require()
+    try:
+        return sampler_classes(
+            list(records),
+            threads=threads,
+            replicas_per_unit=replicas_per_unit,
+            memory_mib=memory_mib,
+        )
+    except SamplerError as exc:
+        raise AnsibleFilterError("rtfleet samplers: %s" % exc) from None
+
+
+def rtfleet_sampler_check(text, gid):
+    """{{ manifest_text | rtfleet_sampler_check(gid) }} -> [str]: the rules it breaks."""
+    _require()
+    return check_manifest_text(str(text), gid=int(gid))
+
+
 class FilterModule(object):
     def filters(self):
         return {
@@ -149,4 +171,6 @@ class FilterModule(object):
             "rtfleet_postcheck_gate": rtfleet_postcheck_gate,
             "rtfleet_postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
             "rtfleet_postcheck_settings_errors": rtfleet_postcheck_settings_errors,
+            "rtfleet_sampler_classes": rtfleet_sampler_classes,
+            "rtfleet_sampler_check": rtfleet_sampler_check,
         }

@@ -16,6 +16,7 @@ from rtfleet.planner import PlanError, plan_partition
 from rtfleet.postcheck import PostcheckError
 from rtfleet.render import render_checklist_table, render_plan_table, render_topology_table
 from rtfleet.report import ReportError, build_report, host_summary, render_fleet_table
+from rtfleet.sampler import KUBERNETES_VERSION, SamplerError, check_manifest_text
 from rtfleet.topology import TopologyError, read_topology
 
 
@@ -158,15 +159,55 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument("members", nargs="+", metavar="DIR/NAME=PATH")
     bundle.set_defaults(func=cmd_bundle)
 
+    sampler = sub.add_parser(
+        "sampler-check",
+        help="check a sampler manifest: schemas, Guaranteed, mounts, group, threads",
+        description=(
+            "Check the Kubernetes manifest(s) of a sampler workload the way rtfleet checks "
+            "its own (templates/sampler.yaml.j2): valid against Kubernetes' schemas, "
+            "Guaranteed with whole CPUs, only the host's /run/shminfer mounted, read-only, "
+            "the runtime's group in supplementalGroups, no host IPC, a read-only root, no "
+            "added capability, every math library's threads = its CPUs. Prints one line per "
+            "broken rule; exit 0 when none, 1 otherwise."
+        ),
+    )
+    sampler.add_argument("manifests", nargs="+", metavar="FILE")
+    sampler.add_argument(
+        "--gid", type=int, required=True, help="the runtime's group id on the nodes"
+    )
+    sampler.add_argument("--kubernetes-version", default=KUBERNETES_VERSION)
+    sampler.set_defaults(func=cmd_sampler_check)
+
     lab.add_parser(sub)
     return parser
+
+
+def cmd_sampler_check(args) -> int:
+    broken = 0
+    for path in args.manifests:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise SamplerError(f"{path}: {exc.strerror}") from None
+        for error in check_manifest_text(text, gid=args.gid, version=args.kubernetes_version):
+            print(f"{path}: {error}")
+            broken += 1
+    return 1 if broken else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (TopologyError, PlanError, PostcheckError, ReportError, BundleError) as exc:
+    except (
+        TopologyError,
+        PlanError,
+        PostcheckError,
+        ReportError,
+        BundleError,
+        SamplerError,
+    ) as exc:
         print(f"rtfleet: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
