@@ -24,7 +24,12 @@ try:
         hardware_gate,
         parse_cyclictest,
     )
-    from rtfleet.sampler import SamplerError, check_manifest_text, sampler_classes
+    from rtfleet.sampler import (
+        SamplerError,
+        check_manifest_text,
+        podman_argv_text,
+        sampler_classes,
+    )
     from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist
 
     _IMPORT_ERROR = None
@@ -158,6 +163,17 @@ def rtfleet_sampler_check(text, gid):
     return check_manifest_text(str(text), gid=int(gid))
 
 
+def rtfleet_sampler_podman(text, cpus, mems, image=None, args=()):
+    """{{ manifest_text | rtfleet_sampler_podman(cpus=[2, 3], mems=[0]) }} -> podman argv
+    that runs one replica of the manifest's pod as a kubelet would place it."""
+    _require()
+    try:
+        argv = podman_argv_text(str(text), cpus=list(cpus), mems=list(mems), image=image)
+        return argv + [str(a) for a in args]
+    except SamplerError as exc:
+        raise AnsibleFilterError("rtfleet samplers: %s" % exc) from None
+
+
 class FilterModule(object):
     def filters(self):
         return {
@@ -173,4 +189,5 @@ class FilterModule(object):
             "rtfleet_postcheck_settings_errors": rtfleet_postcheck_settings_errors,
             "rtfleet_sampler_classes": rtfleet_sampler_classes,
             "rtfleet_sampler_check": rtfleet_sampler_check,
+            "rtfleet_sampler_podman": rtfleet_sampler_podman,
         }

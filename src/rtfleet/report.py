@@ -42,6 +42,12 @@ from rtfleet.postcheck import (
     parse_hwlatdetect,
     parse_oslat,
 )
+from rtfleet.report_containers import (
+    containers_failed,
+    containers_html,
+    containers_markdown,
+    load_containers,
+)
 from rtfleet.report_drift import drift_html, drift_markdown, load_drift
 from rtfleet.report_refused import load_refused, refused_html, refused_markdown
 
@@ -720,6 +726,7 @@ def render_markdown(fleet):
                 _BEFORE_AFTER_COLUMNS, [_before_after_cells(r) for r in fleet["before_after"]]
             )
         )
+    out.extend(containers_markdown(fleet.get("containers")))
     out.extend(refused_markdown(fleet.get("refused")))
     out.extend(drift_markdown(fleet.get("drift")))
     for entry in fleet["hosts"]:
@@ -874,6 +881,7 @@ def render_html(fleet):
                 "before-after",
             )
         )
+    out.append(containers_html(fleet.get("containers")))
     out.append(refused_html(fleet.get("refused")))
     out.append(drift_html(fleet.get("drift")))
     for entry in fleet["hosts"]:
@@ -1074,6 +1082,14 @@ def build_report(results_dir, out_dir, plots=True):
         fleet["results"] = [str(d) for d in dirs]
         fleet["drift"] = load_drift(dirs)  # playbooks/verify.yml: <results>/drift/*.json
         fleet["refused"] = load_refused(dirs)  # playbooks/assess.yml: <results>/refused/*.json
+        # playbooks/samplers.yml: <results>/containers/*.json; a sampler pod that missed its
+        # own node's unit or broke a smoke gate fails the fleet like a host would.
+        fleet["containers"] = load_containers(dirs)
+        failed = containers_failed(fleet["containers"])
+        if failed:
+            verdict = fleet["verdict"]
+            verdict["passed"] = False
+            verdict["reason"] = "; ".join([verdict["reason"], *failed])
         written = write_plots(fleet["hosts"], out_dir / "plots") if plots else []
         fleet["files"] = {
             "json": "fleet.json",

@@ -14,6 +14,7 @@ on its node.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 
@@ -115,6 +116,17 @@ def sampler_classes(records, **settings) -> list:
     out = []
     for name, members in sorted(classes.items()):
         hosts = {m["host"]: m for m in members}
+        if not any(m["plan"].get("pod_pool") for m in members):
+            # Runtime-only nodes: the policy leaves no CPU for pods, so no sampler goes here.
+            out.append(
+                {
+                    "host_class": name,
+                    "skipped": "no pod-pool CPU on its hosts (the policy gives every CPU to "
+                    "housekeeping or the runtime): no sampler manifest",
+                    "node_names": sorted(str(m.get("node_name") or m["host"]) for m in members),
+                }
+            )
+            continue
         try:
             spec = sampler_spec(hosts, **settings)
         except SamplerError as exc:
@@ -317,3 +329,72 @@ def _sets_dir(container, path):
         e.get("name") == "SHMINFER_DIR" and e.get("value") == path
         for e in container.get("env") or []
     )
+
+
+def podman_argv_text(text: str, **options) -> list:
+    """:func:`podman_argv` of the manifest file's first workload."""
+    import yaml  # noqa: PLC0415
+
+    docs = [
+        d for d in yaml.safe_load_all(text) if isinstance(d, dict) and d.get("kind") in _TEMPLATED
+    ]
+    if not docs:
+        raise SamplerError("no workload with a pod template in the manifest")
+    return podman_argv(docs[0], **options)
+
+
+def podman_argv(doc: dict, *, cpus, mems, image=None, name="rtfleet-sampler") -> list:
+    """``podman run`` arguments that give one replica of the manifest's pod what a kubelet
+    with the static CPU Manager and the Memory Manager would: the pod's user, groups,
+    mounts, environment, read-only root, capabilities and memory limit, on ``cpus`` (as
+    many as the container's whole-CPU limit) with memory on NUMA nodes ``mems``. Its own
+    IPC namespace and no network (the sampler needs neither). The lab runs it where no
+    kubelet can be had; the argv is the manifest's, so what runs is what was checked."""
+    kind = doc.get("kind")
+    if kind not in _TEMPLATED:
+        raise SamplerError(f"{kind}: not a workload with a pod template")
+    spec = _dig(doc, _TEMPLATED[kind]) or {}
+    (container, *more) = spec.get("containers") or [None]
+    if container is None or more:
+        raise SamplerError("the pod must have exactly one container to run it with podman")
+    cpu = str(_dig(container, ("resources", "limits", "cpu")) or "")
+    cpus = sorted(int(c) for c in cpus)
+    if not cpu.isdigit() or int(cpu) != len(cpus):
+        raise SamplerError(f"the container's CPU limit {cpu or 'unset'} is not {len(cpus)} CPUs")
+    pod_context = spec.get("securityContext") or {}
+    context = container.get("securityContext") or {}
+    user = context.get("runAsUser", pod_context.get("runAsUser"))
+    group = context.get("runAsGroup", pod_context.get("runAsGroup", user))
+    argv = ["podman", "run", "--rm", "--name", name, "--network=none", "--ipc=private"]
+    argv += ["--cpuset-cpus=" + ",".join(map(str, cpus))]
+    argv += ["--cpuset-mems=" + ",".join(str(int(m)) for m in sorted(set(mems)))]
+    if user is not None:
+        argv += [f"--user={int(user)}:{int(group)}"]
+    argv += [f"--group-add={int(g)}" for g in pod_context.get("supplementalGroups") or []]
+    memory = _memory_bytes(_dig(container, ("resources", "limits", "memory")))
+    if memory:
+        argv += [f"--memory={memory}"]
+    if context.get("readOnlyRootFilesystem"):
+        argv += ["--read-only"]
+    if context.get("allowPrivilegeEscalation") is False:
+        argv += ["--security-opt=no-new-privileges"]
+    if "ALL" in (_dig(context, ("capabilities", "drop")) or []):
+        argv += ["--cap-drop=all"]
+    argv += [f"--cap-add={c}" for c in _dig(context, ("capabilities", "add")) or []]
+    volumes = {v["name"]: v for v in spec.get("volumes") or []}
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes.get(mount["name"], {})
+        target = mount["mountPath"]
+        if "hostPath" in volume:
+            mode = "ro" if mount.get("readOnly") else "rw"
+            argv += [f"--volume={volume['hostPath']['path']}:{target}:{mode}"]
+        elif "emptyDir" in volume:
+            size = _memory_bytes(volume["emptyDir"].get("sizeLimit") or "64Mi")
+            argv += [f"--tmpfs={target}:rw,size={size},mode=1777"]
+        else:
+            raise SamplerError(f"volume {mount['name']}: only hostPath and emptyDir run here")
+    for var in container.get("env") or []:
+        argv += ["--env", f"{var['name']}={var.get('value', '')}"]
+    if container.get("command"):  # Kubernetes' command replaces the image's entrypoint
+        argv += ["--entrypoint=" + json.dumps(container["command"])]
+    return [*argv, image or container["image"], *(container.get("args") or [])]

@@ -193,7 +193,7 @@ def attach(name: str, slots_per_worker: int, timeout: float):
         _peer_pid, peer_uid, _peer_gid = struct.unpack("3i", creds)
         if peer_uid != st.st_uid:
             raise QueueError(f"{path}: the server runs as uid {peer_uid}, not the socket's owner")
-        sock.sendall(json.dumps({"slots": slots_per_worker, "pid": os.getpid()}).encode() + b"\n")
+        sock.sendall(json.dumps({"slots": slots_per_worker}).encode() + b"\n")
         raw, fds, _flags, _addr = socket.recv_fds(sock, _MAX_ANSWER, 64)
         if not raw.endswith(b"\n"):
             raise QueueError(f"server {name}: truncated answer on {path}")

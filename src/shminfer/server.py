@@ -22,6 +22,7 @@ import secrets
 import selectors
 import signal
 import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -392,6 +393,10 @@ class Server:
             return
         sock.setblocking(False)
         conn = _Conn(sock)
+        # The kernel's word for the client's pid, in this server's pid namespace: what a
+        # client says is its own namespace's (a container's pid 1) or a lie.
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        conn.pid = struct.unpack("3i", creds)[0]
         self._conns[sock.fileno()] = conn
         selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -417,7 +422,6 @@ class Server:
         try:
             request = json.loads(line)
             count = int(request.get("slots", 0))
-            conn.pid = int(request.get("pid", 0))
             if not 0 <= count <= 1 << 20:
                 raise ValueError("slots must be 0..2**20")
             count = min(count, self.slots)

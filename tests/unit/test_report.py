@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_local_playbook
@@ -399,3 +401,88 @@ def test_refused_hosts_show_their_deception_verdict_and_evidence(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert build_report(results, tmp_path / "out", plots=False)["refused"] == []
     assert "## Refused hosts" not in (tmp_path / "out/report.md").read_text()
+
+
+def _container_record(host, stdout, *, cpus, node, rc=0, stderr=""):
+    return {
+        "host": host,
+        "host_class": "lab",
+        "runtime": "podman 4.3.1 (no kubelet here)",
+        "image": "localhost/rtfleet-sampler:0123456789ab",
+        "argv": ["podman", "run", "--rm", "localhost/rtfleet-sampler:0123456789ab"],
+        "cpus": cpus,
+        "numa_node": node,
+        "next_to_unit": "ccx1",
+        "rc": rc,
+        "stdout": stdout,
+        "stderr": stderr,
+    }
+
+
+def test_the_containerised_sampler_is_reported_and_gates_the_fleet(tmp_path):
+    """samplers.yml's record of the sampler pod run in a container (its stdout here is a
+    real `shminfer smoke --format json` that chose the nearest unit of a live server)
+    reaches fleet.json and both reports; one that used another node's unit, or printed no
+    result, fails the fleet with a line that says so."""
+    from shminfer_serving import CPUS, serving
+
+    with serving(cpus=CPUS[-1:]) as server:
+        run = subprocess.run(
+            [
+                *(str(Path(sys.executable).parent / "shminfer"),),
+                "smoke",
+                "--match",
+                server.name,
+                "--requests",
+                "50",
+                "--format",
+                "json",
+                "--max-p99-ms",
+                "10000",
+                "--max-deschedule-p999-ms",
+                "10000",
+                "--max-cpu-ratio",
+                "100",
+                "--max-slow-infer",
+                "1000",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert run.returncode == 0, run.stdout + run.stderr
+    smoke = json.loads(run.stdout)
+    node = smoke["choice"]["unit_node"]
+    results = write_results(tmp_path / "results", [host_result("epyc1")])
+    containers = tmp_path / "results/containers"
+    containers.mkdir()
+    record = _container_record("epyc1", run.stdout, cpus=[CPUS[0]], node=node)
+    (containers / "epyc1.json").write_text(json.dumps(record))
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    (entry,) = fleet["containers"]
+    assert entry["smoke"]["unit"] == server.name and entry["smoke"]["passed"]
+    assert fleet["verdict"]["passed"], fleet["verdict"]
+    markdown = (tmp_path / "out/report.md").read_text()
+    assert "## Containerised sampler" in markdown and "No kubelet ran here." in markdown
+    assert f"| epyc1 | {CPUS[0]} (node {node}) | {server.name} on node {node} (" in markdown
+    assert "Containerised sampler" in (tmp_path / "out/report.html").read_text()
+    # On another node than its unit: the fleet fails, and says which.
+    (containers / "epyc1.json").write_text(
+        json.dumps(_container_record("epyc1", run.stdout, cpus=[CPUS[0]], node=node + 1))
+    )
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert not fleet["verdict"]["passed"]
+    assert f"(node {node + 1}) used unit {server.name} on node {node}" in fleet["verdict"]["reason"]
+    # A container that never printed its result (podman refused to start it).
+    crashed = _container_record(
+        "epyc1", "", cpus=[CPUS[0]], node=node, rc=125, stderr="Error: crun: cannot set cpuset"
+    )
+    (containers / "epyc1.json").write_text(json.dumps(crashed))
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert (
+        "printed no result (exit 125): Error: crun: cannot set cpuset" in fleet["verdict"]["reason"]
+    )
+    (containers / "broken.json").write_text("{")
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert [e["host"] for e in fleet["containers"]] == ["broken", "epyc1"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import tarfile
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -25,6 +26,7 @@ from rtfleet.sampler import (
     SamplerError,
     check_manifest,
     check_manifest_text,
+    podman_argv_text,
     sampler_classes,
     sampler_spec,
 )
@@ -297,3 +299,50 @@ def test_the_samplers_playbook_writes_a_checked_manifest_from_the_plan_record(pl
     assert run.returncode != 0
     assert "lower rtfleet_sampler_threads or rtfleet_sampler_replicas_per_unit" in run.stdout
     assert not (tmp_path / "none" / "sampler-lab.yaml").exists()
+
+
+def test_podman_runs_one_replica_with_exactly_the_manifests_settings(plans):
+    """The argv the lab runs for a pod (no kubelet here): the manifest's user, group,
+    read-only mount, environment, limits and read-only root, on the whole CPUs and the
+    memory node a kubelet's CPU and Memory Managers would give it."""
+    (entry,) = sampler_classes(
+        _records(plans["lab-server-nps2"]), threads=2, replicas_per_unit=1, memory_mib=512
+    )
+    text = _render(entry)
+    argv = podman_argv_text(text, cpus=[3, 2], mems=[0], image="localhost/s:1")
+    assert argv[:3] == ["podman", "run", "--rm"]
+    for flag in (
+        "--network=none",
+        "--ipc=private",
+        "--cpuset-cpus=2,3",
+        "--cpuset-mems=0",
+        "--user=65534:65534",
+        f"--group-add={GID}",
+        f"--memory={512 << 20}",
+        "--read-only",
+        "--security-opt=no-new-privileges",
+        "--cap-drop=all",
+        "--volume=/run/shminfer:/run/shminfer:ro",
+        f"--tmpfs=/tmp:rw,size={64 << 20},mode=1777",
+        '--entrypoint=["shminfer", "smoke", "--requests", "2000"]',
+    ):
+        assert flag in argv, (flag, argv)
+    env = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    assert "OMP_NUM_THREADS=2" in env and f"SHMINFER_SERVER_USERS={UID}" in env
+    assert argv[-1] == "localhost/s:1"
+    with pytest.raises(SamplerError, match="CPU limit 2 is not 3 CPUs"):
+        podman_argv_text(text, cpus=[1, 2, 3], mems=[0])
+    with pytest.raises(SamplerError, match="no workload with a pod template"):
+        podman_argv_text("kind: ConfigMap\n", cpus=[1], mems=[0])
+
+
+def test_a_class_without_a_pod_pool_gets_no_manifest(trees):
+    """The 8-vCPU lab EPYC guest's plan gives every CPU to housekeeping or the runtime."""
+    root = REPO / "tests/fixtures/sysfs/lab-epyc-2ccx.tar.gz"
+    with tarfile.open(root) as tar:
+        target = Path(trees("epyc-7763-2s")).parent / "lab-epyc-2ccx"
+        tar.extractall(target, filter="data")
+    plan = plan_partition(read_topology(str(target)), {"runtime_l3_groups": "all"})
+    assert plan["pod_pool"] == []
+    (entry,) = sampler_classes(_records(plan), threads=1, replicas_per_unit=1, memory_mib=512)
+    assert entry["host_class"] == "epyc" and "no pod-pool CPU" in entry["skipped"]
