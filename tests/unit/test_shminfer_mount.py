@@ -1,7 +1,7 @@
 """A sampler in a container reaches the runtime through one read-only mount of the run
 directory (/run/shminfer on a host): no /dev/shm, no host IPC namespace.
 
-The client runs as a pod's would: in a mount namespace of its own (``unshare --mount``)
+The client runs as a pod's would: in mount and pid namespaces of its own (``unshare``)
 where the server's run directory is bind-mounted read-only at another path, as user
 nobody, with or without the server's group as a supplementary group (the manifest's
 ``supplementalGroups``). Then what a server must refuse in its own directory, and bad
@@ -50,7 +50,10 @@ try:
     with Client.nearest(cpus=[int(cpu)], match=match, timeout=20) as client:
         client.wait_ready(30)
         y = client.infer({"x": np.full((1, 8), 7.0, np.float32)}, timeout=30)["y"]
-        print(json.dumps({"unit": client.choice.name, "y": float(y.sum())}))
+        seg = client.lanes[0].seg
+        owners = sorted({seg.slot_get(i, "owner_pid") for i in range(seg.slot_count)} - {0})
+        print(json.dumps({"unit": client.choice.name, "y": float(y.sum()), "pid": os.getpid(),
+                          "owners": owners}))
 except QueueError as exc:
     print("error: " + str(exc))
 """
@@ -81,6 +84,8 @@ def _run_pod(source, mount, groups, match):
         [
             "unshare",
             "--mount",
+            "--pid",
+            "--fork",
             sys.executable,
             "-c",
             POD,
@@ -112,7 +117,12 @@ def test_a_pod_in_the_group_infers_through_a_read_only_mount_of_the_run_director
 ):
     server, gid = group_server
     answer = json.loads(_pod(run_dir(), groups=[gid], match=server.name))
-    assert answer == {"unit": server.name, "y": 2 * 8 * 7.0}  # echo: y is x twice
+    assert answer["unit"] == server.name
+    assert answer["y"] == 2 * 8 * 7.0  # echo: y is x twice
+    # In its own pid namespace the pod is pid 1; the server records the pid the kernel
+    # gives it (SO_PEERCRED, in the server's namespace), never the client's word for it.
+    assert answer["pid"] == 1
+    assert len(answer["owners"]) == 1 and answer["owners"][0] > 1, answer
 
 
 def test_a_pod_without_the_group_is_told_which_group_to_add(tmp_path, group_server):
