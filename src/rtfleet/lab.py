@@ -609,10 +609,33 @@ def start_host(state: Path, host: Host, topo: Topology, image: Path, key: Path) 
     raise LabError(f"{host.name}: QEMU failed to start:\n{result.stderr.strip()}")
 
 
-def wait_for_ssh(state: Path, host: Host, timeout: float) -> float:
-    """Seconds until ssh answered; on timeout or a dead QEMU, stop it and raise with the log."""
+# A booting TCG guest keeps its QEMU busy; one that hung in early boot (seen: an RCU stall
+# with "timer wakeup didn't happen" while the controller was loaded, then nothing) leaves
+# it idle. Below this share of one host CPU over HANG_WINDOW_S without ssh, it is hung.
+HANG_WINDOW_S = 90.0
+HANG_CPU_SHARE = 0.02
+
+
+class BootHang(LabError):
+    """The guest stopped booting: its QEMU sat idle without ssh (worth one more boot)."""
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of pid (/proc/PID/stat), None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_ssh(state: Path, host: Host, timeout: float, hang_window_s=HANG_WINDOW_S) -> float:
+    """Seconds until ssh answered; on timeout, a dead QEMU or a hung guest (:class:`BootHang`)
+    stop it and raise with the serial log's end."""
     start = time.monotonic()
     marker = str(overlay_path(state, host.name))
+    samples: list[tuple[float, float]] = []  # (monotonic, QEMU CPU seconds)
+    error = LabError
     while True:
         pid = read_pid(pidfile_path(state, host.name))
         if pid is None or not pid_alive(pid, marker):
@@ -620,13 +643,24 @@ def wait_for_ssh(state: Path, host: Host, timeout: float) -> float:
             break
         if ssh_ready(state, host):
             return time.monotonic() - start
-        if time.monotonic() - start > timeout:
+        now = time.monotonic()
+        if now - start > timeout:
             reason = f"no ssh after {timeout:.0f} s"
             break
+        cpu = process_cpu_seconds(pid)
+        if cpu is not None:
+            samples.append((now, cpu))
+            while len(samples) > 1 and now - samples[1][0] >= hang_window_s:
+                samples.pop(0)
+            since, used = now - samples[0][0], cpu - samples[0][1]
+            if since >= hang_window_s and used < HANG_CPU_SHARE * since:
+                reason = f"hung: QEMU used {used:.1f} s of CPU in {since:.0f} s, no ssh"
+                error = BootHang
+                break
         time.sleep(3)
     stop_process(pidfile_path(state, host.name), marker)
     tail = serial_tail(state, host.name)
-    raise LabError(f"{host.name}: {reason}; stopped its QEMU. The serial log ends with:\n{tail}")
+    raise error(f"{host.name}: {reason}; stopped its QEMU. The serial log ends with:\n{tail}")
 
 
 def remove_host(state: Path, name: str) -> bool:
@@ -787,8 +821,20 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     def boot(host: Host) -> None:
         try:
-            seconds = wait_for_ssh(state, host, timeout)
-        except LabError as exc:
+            try:
+                seconds = wait_for_ssh(state, host, timeout)
+            except BootHang as exc:
+                # Once more from a fresh overlay: a hang is the emulator's, not the image's.
+                print(f"{exc}\n{host.name}: booting it once more", file=sys.stderr)
+                logs = state / "logs"
+                logs.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    shutil.copy(
+                        serial_log_path(state, host.name), logs / f"{host.name}.hung.serial.log"
+                    )
+                start_host(state, host, topologies[host.topology], image, key)
+                seconds = wait_for_ssh(state, host, timeout)
+        except (LabError, subprocess.CalledProcessError) as exc:
             with state_lock(state):
                 # Keep the serial log for the post-mortem; drop the rest of the host.
                 remove_host(state, host.name)

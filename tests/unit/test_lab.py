@@ -342,6 +342,41 @@ def test_boot_timeout_stops_the_host_and_shows_the_serial_log(state):
         proc.wait()
 
 
+def test_a_guest_that_hung_in_boot_is_told_apart_from_a_slow_one(state):
+    """An idle QEMU without ssh is a hang (BootHang, which `lab up` boots once more); a
+    busy one is still booting and gets its full timeout."""
+    idle = fake_host(state, "h1", "epyc-2ccx", lab.free_port())
+    try:
+        started = time.monotonic()
+        with pytest.raises(lab.BootHang, match=r"hung: QEMU used 0\.\d s of CPU in \d+ s, no ssh"):
+            lab.wait_for_ssh(state, lab.load_hosts(state)["h1"], timeout=120, hang_window_s=4)
+        assert time.monotonic() - started < 60
+        assert idle.wait(timeout=10) is not None
+    finally:
+        idle.kill()
+        idle.wait()
+    lab.save_host(state, lab.Host(name="h2", topology="epyc-2ccx", port=lab.free_port()))
+    overlay = lab.overlay_path(state, "h2")
+    overlay.write_text("")
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.time() + 60\nwhile time.time() < end: pass",
+            f"file={overlay},format=qcow2",
+        ]
+    )
+    lab.pidfile_path(state, "h2").write_text(str(busy.pid))
+    try:
+        time.sleep(0.5)  # exec'd: its argv carries the overlay
+        with pytest.raises(lab.LabError, match="no ssh after 12 s") as err:
+            lab.wait_for_ssh(state, lab.load_hosts(state)["h2"], timeout=12, hang_window_s=4)
+        assert not isinstance(err.value, lab.BootHang)
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def test_boot_fails_fast_when_qemu_dies(state):
     proc = fake_host(state, "h1", "epyc-2ccx", lab.free_port())
     proc.kill()
