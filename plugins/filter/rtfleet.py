@@ -142,17 +142,13 @@ def rtfleet_postcheck_settings_errors(settings):
     return check_settings(dict(settings or {}))
 
 
-def rtfleet_sampler_classes(records, threads=1, replicas_per_unit=1, memory_mib=512):
-    """{{ host_records | rtfleet_sampler_classes(threads=2) }} -> [{"host_class", "spec",
-    "node_names"}]: the sampler manifest's figures per host class (rtfleet.sampler)."""
+def rtfleet_sampler_classes(records):
+    """{{ host_records | rtfleet_sampler_classes }} -> [{"host_class", "spec", "settings",
+    "node_names"} or {"host_class", "skipped", "node_names"}]: the sampler manifest's
+    figures per host class (rtfleet.sampler)."""
     _require()
     try:
-        return sampler_classes(
-            list(records),
-            threads=threads,
-            replicas_per_unit=replicas_per_unit,
-            memory_mib=memory_mib,
-        )
+        return sampler_classes(list(records))
     except SamplerError as exc:
         raise AnsibleFilterError("rtfleet samplers: %s" % exc) from None
 

@@ -97,12 +97,30 @@ def sampler_spec(hosts: dict, *, threads: int, replicas_per_unit: int, memory_mi
 _CLASS = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
-def sampler_classes(records, **settings) -> list:
-    """One entry per host class, sorted: ``{"host_class", "spec", "node_names"}``.
+# What a host's inventory says about its class's samplers (playbooks/samplers.yml reads
+# each from the host's rtfleet_sampler_* variables); the spec's figures, then the template's.
+DEFAULT_SETTINGS = {
+    "threads": 1,
+    "replicas_per_unit": 1,
+    "memory_mib": 512,
+    "kind": "Job",
+    "namespace": "rtfleet",
+    "image": "localhost/rtfleet-sampler:latest",
+    "command": ["shminfer", "smoke", "--requests", "2000"],
+    "uid": 65534,
+}
+_KINDS = ("Job", "Deployment")
 
-    ``records``: ``[{"host", "host_class", "node_name", "plan", "gid", "uid"}]``, one per
-    tuned host (the samplers playbook reads them from each host); ``settings``: the
-    keyword arguments of :func:`sampler_spec`.
+
+def sampler_classes(records) -> list:
+    """One entry per host class, sorted: ``{"host_class", "spec", "settings",
+    "node_names"}``, or ``{"host_class", "skipped", "node_names"}`` for a class whose
+    hosts have no pod pool.
+
+    ``records``: ``[{"host", "host_class", "node_name", "plan", "gid", "uid", "settings"}]``,
+    one per tuned host; ``settings`` are its ``rtfleet_sampler_*`` variables
+    (:data:`DEFAULT_SETTINGS` fills the missing ones), which every host of a class must
+    share: one manifest serves them all.
     """
     classes = {}
     for record in records:
@@ -116,6 +134,7 @@ def sampler_classes(records, **settings) -> list:
     out = []
     for name, members in sorted(classes.items()):
         hosts = {m["host"]: m for m in members}
+        nodes = sorted(str(m.get("node_name") or m["host"]) for m in members)
         if not any(m["plan"].get("pod_pool") for m in members):
             # Runtime-only nodes: the policy leaves no CPU for pods, so no sampler goes here.
             out.append(
@@ -123,22 +142,61 @@ def sampler_classes(records, **settings) -> list:
                     "host_class": name,
                     "skipped": "no pod-pool CPU on its hosts (the policy gives every CPU to "
                     "housekeeping or the runtime): no sampler manifest",
-                    "node_names": sorted(str(m.get("node_name") or m["host"]) for m in members),
+                    "node_names": nodes,
                 }
             )
             continue
         try:
-            spec = sampler_spec(hosts, **settings)
+            settings = _class_settings(hosts)
+            spec = sampler_spec(
+                hosts,
+                threads=settings["threads"],
+                replicas_per_unit=settings["replicas_per_unit"],
+                memory_mib=settings["memory_mib"],
+            )
         except SamplerError as exc:
             raise SamplerError(f"host class {name}: {exc}") from None
-        out.append(
-            {
-                "host_class": name,
-                "spec": spec,
-                "node_names": sorted(str(m.get("node_name") or m["host"]) for m in members),
-            }
-        )
+        out.append({"host_class": name, "spec": spec, "settings": settings, "node_names": nodes})
     return out
+
+
+def _class_settings(hosts) -> dict:
+    per_host = {
+        host: {
+            **DEFAULT_SETTINGS,
+            **{k: v for k, v in (info.get("settings") or {}).items() if v is not None},
+        }
+        for host, info in sorted(hosts.items())
+    }
+    for settings in per_host.values():  # -e and INI inventories give numbers as text
+        for key in ("threads", "replicas_per_unit", "memory_mib", "uid"):
+            if isinstance(settings[key], str) and settings[key].strip().isdigit():
+                settings[key] = int(settings[key])
+    first_host, settings = next(iter(per_host.items()))
+    for host, other in per_host.items():
+        for key, value in settings.items():
+            if other[key] != value:
+                raise SamplerError(
+                    f"hosts {first_host} and {host} disagree on rtfleet_sampler_{key} "
+                    f"({value!r}, {other[key]!r}): one manifest serves a class, so set it for "
+                    "the class (group_vars), or give them different rtfleet_host_class"
+                )
+    if settings["kind"] not in _KINDS:
+        raise SamplerError(
+            f"rtfleet_sampler_kind must be one of {list(_KINDS)}, got {settings['kind']!r}"
+        )
+    if (
+        isinstance(settings["uid"], bool)
+        or not isinstance(settings["uid"], int)
+        or settings["uid"] < 1
+    ):
+        raise SamplerError(
+            f"rtfleet_sampler_uid must be a user id >= 1 (runAsNonRoot), got {settings['uid']!r}"
+        )
+    command = settings["command"]
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        raise SamplerError(f"rtfleet_sampler_command must be a list of strings, got {command!r}")
+    return settings
 
 
 def check_manifest_text(text: str, **options) -> list:

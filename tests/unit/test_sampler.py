@@ -73,18 +73,15 @@ def _records(plan, hosts=("node-a", "node-b"), host_class="epyc", **overrides):
     ]
 
 
+def _with(records, **settings):
+    """The records with every host's rtfleet_sampler_* settings."""
+    return [{**r, "settings": {**r.get("settings", {}), **settings}} for r in records]
+
+
 def _render(entry, kind="Job"):
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(TEMPLATE.read_text()).render(
-        sampler={
-            **entry,
-            "kind": kind,
-            "namespace": "rtfleet",
-            "image": "localhost/rtfleet-sampler:latest",
-            "command": ["shminfer", "smoke", "--requests", "2000"],
-            "uid": 65534,
-            "runtime_group": "shminfer",
-        }
+        sampler={**entry["settings"], **entry, "kind": kind}
     )
 
 
@@ -92,7 +89,9 @@ def _render(entry, kind="Job"):
 @pytest.mark.parametrize("kind", ["Job", "Deployment"])
 def test_the_manifest_of_every_server_shape_validates_and_keeps_every_rule(plans, shape, kind):
     plan = plans[shape]
-    (entry,) = sampler_classes(_records(plan), threads=1, replicas_per_unit=1, memory_mib=512)
+    (entry,) = sampler_classes(
+        _with(_records(plan), threads=1, replicas_per_unit=1, memory_mib=512)
+    )
     text = _render(entry, kind)
     assert check_manifest_text(text, gid=GID) == []
     (doc,) = [d for d in yaml.safe_load_all(text) if d]
@@ -201,7 +200,7 @@ def _schema_break(doc):
 )
 def test_each_broken_rule_is_one_line_that_names_it(plans, break_it, message):
     (entry,) = sampler_classes(
-        _records(plans["lab-server-nps2"]), threads=1, replicas_per_unit=1, memory_mib=512
+        _with(_records(plans["lab-server-nps2"]), threads=1, replicas_per_unit=1, memory_mib=512)
     )
     (doc,) = [d for d in yaml.safe_load_all(_render(entry)) if d]
     broken = copy.deepcopy(doc)
@@ -227,27 +226,29 @@ def test_the_plan_decides_threads_room_and_ids(plans):
     records = _records(plan)
     records[1]["gid"] = GID + 1
     with pytest.raises(SamplerError, match=r"gid differs between hosts .*node-a 991, node-b 992"):
-        sampler_classes(records, threads=1, replicas_per_unit=1, memory_mib=512)
+        sampler_classes(_with(records, threads=1, replicas_per_unit=1, memory_mib=512))
     mixed = _records(plan) + _records(plans["lab-server-nps2"], hosts=("lab",))
     with pytest.raises(SamplerError, match="different numbers of units"):
-        sampler_classes(mixed, threads=1, replicas_per_unit=1, memory_mib=512)
+        sampler_classes(_with(mixed, threads=1, replicas_per_unit=1, memory_mib=512))
     with pytest.raises(SamplerError, match="rtfleet_host_class 'EPYC_1' must be"):
         sampler_classes(
-            _records(plan, host_class="EPYC_1"), threads=1, replicas_per_unit=1, memory_mib=512
+            _with(
+                _records(plan, host_class="EPYC_1"), threads=1, replicas_per_unit=1, memory_mib=512
+            )
         )
     with pytest.raises(SamplerError, match="rtfleet_sampler_threads must be an integer >= 1"):
-        sampler_classes(_records(plan), threads=0, replicas_per_unit=1, memory_mib=512)
+        sampler_classes(_with(_records(plan), threads=0, replicas_per_unit=1, memory_mib=512))
     # Two classes, two manifests, sorted.
     two = _records(plan) + _records(plans["lab-server-nps2"], hosts=("lab",), host_class="lab")
     assert [
         c["host_class"]
-        for c in sampler_classes(two, threads=1, replicas_per_unit=1, memory_mib=512)
+        for c in sampler_classes(_with(two, threads=1, replicas_per_unit=1, memory_mib=512))
     ] == ["epyc", "lab"]
 
 
 def test_sampler_check_reads_files_and_says_each_rule_broken(plans, tmp_path, capsys):
     (entry,) = sampler_classes(
-        _records(plans["lab-server-nps2"]), threads=1, replicas_per_unit=1, memory_mib=512
+        _with(_records(plans["lab-server-nps2"]), threads=1, replicas_per_unit=1, memory_mib=512)
     )
     good = tmp_path / "good.yaml"
     good.write_text(_render(entry))
@@ -306,7 +307,7 @@ def test_podman_runs_one_replica_with_exactly_the_manifests_settings(plans):
     read-only mount, environment, limits and read-only root, on the whole CPUs and the
     memory node a kubelet's CPU and Memory Managers would give it."""
     (entry,) = sampler_classes(
-        _records(plans["lab-server-nps2"]), threads=2, replicas_per_unit=1, memory_mib=512
+        _with(_records(plans["lab-server-nps2"]), threads=2, replicas_per_unit=1, memory_mib=512)
     )
     text = _render(entry)
     argv = podman_argv_text(text, cpus=[3, 2], mems=[0], image="localhost/s:1")
@@ -344,5 +345,29 @@ def test_a_class_without_a_pod_pool_gets_no_manifest(trees):
         tar.extractall(target, filter="data")
     plan = plan_partition(read_topology(str(target)), {"runtime_l3_groups": "all"})
     assert plan["pod_pool"] == []
-    (entry,) = sampler_classes(_records(plan), threads=1, replicas_per_unit=1, memory_mib=512)
+    (entry,) = sampler_classes(
+        _with(_records(plan), threads=1, replicas_per_unit=1, memory_mib=512)
+    )
     assert entry["host_class"] == "epyc" and "no pod-pool CPU" in entry["skipped"]
+
+
+def test_every_host_of_a_class_must_agree_on_its_samplers(plans):
+    """One manifest serves a class: its hosts' rtfleet_sampler_* must agree, and bad ones
+    are one line naming the variable."""
+    records = _with(_records(plans["lab-server-nps2"]), threads=2)
+    records[1]["settings"]["threads"] = 1
+    with pytest.raises(
+        SamplerError, match=r"node-a and node-b disagree on rtfleet_sampler_threads \(2, 1\)"
+    ):
+        sampler_classes(records)
+    (entry,) = sampler_classes(
+        _with(_records(plans["lab-server-nps2"]), threads="2", kind="Deployment")
+    )
+    assert entry["spec"]["threads"] == 2 and entry["settings"]["kind"] == "Deployment"
+    for key, value, message in (
+        ("kind", "CronJob", "rtfleet_sampler_kind must be one of"),
+        ("uid", 0, "rtfleet_sampler_uid must be a user id >= 1"),
+        ("command", "shminfer smoke", "rtfleet_sampler_command must be a list of strings"),
+    ):
+        with pytest.raises(SamplerError, match=message):
+            sampler_classes(_with(_records(plans["lab-server-nps2"]), **{key: value}))
