@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 
 from shminfer.queue import QueueError
@@ -187,9 +188,25 @@ def running_units(match: str = "*", trusted=None, skipped=None) -> list:
             if skipped is not None:
                 skipped.append((name, str(exc)))
             continue
-        if alive(data):
+        if alive(data) or _accepts(name):
             units.append({"name": name, "cpus": [w["cpu"] for w in data["workers"]]})
     return units
+
+
+def _accepts(name) -> bool:
+    """Does the server's socket take a connection? How a process in another pid namespace
+    (a pod: the registry's pid is not in its /proc) tells a live unit from a dead one."""
+    from shminfer.registry import socket_path  # noqa: PLC0415
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(socket_path(name))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def none_running(match: str, skipped) -> str:

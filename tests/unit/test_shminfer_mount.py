@@ -1,7 +1,8 @@
 """A sampler in a container reaches the runtime through one read-only mount of the run
 directory (/run/shminfer on a host): no /dev/shm, no host IPC namespace.
 
-The client runs as a pod's would: in mount and pid namespaces of its own (``unshare``)
+The client runs as a pod's would: in mount and pid namespaces of its own with its own /proc
+(``unshare``; the server's pid is not there)
 where the server's run directory is bind-mounted read-only at another path, as user
 nobody, with or without the server's group as a supplementary group (the manifest's
 ``supplementalGroups``). Then what a server must refuse in its own directory, and bad
@@ -86,6 +87,7 @@ def _run_pod(source, mount, groups, match):
             "--mount",
             "--pid",
             "--fork",
+            "--mount-proc",
             sys.executable,
             "-c",
             POD,
