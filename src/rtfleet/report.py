@@ -50,6 +50,8 @@ from rtfleet.report_containers import (
 )
 from rtfleet.report_drift import drift_html, drift_markdown, load_drift
 from rtfleet.report_refused import load_refused, refused_html, refused_markdown
+from rtfleet.report_tables import html_table as _html_table
+from rtfleet.report_tables import md_table as _md_table
 
 FLEET_SCHEMA_VERSION = 1
 DEFAULT_MAX_US = 100
@@ -582,16 +584,6 @@ def _plan_text(plan):
     return "; ".join(parts)
 
 
-def _md_table(header, rows):
-    def esc(text):
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(esc(h) for h in header) + " |"]
-    lines.append("|" + "|".join("---" for _ in header) + "|")
-    lines.extend("| " + " | ".join(esc(c) for c in row) + " |" for row in rows)
-    return "\n".join(lines)
-
-
 _OSLAT_COLUMNS = ("CPU", "loops", "min µs", "avg µs", "max µs", "p99 µs", "p99.9 µs")
 _OSLAT_COLUMNS += ("≥ last bucket",)
 _HWLAT_COLUMNS = ("seconds in", "inner µs", "outer µs")
@@ -824,22 +816,6 @@ th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
 .muted{color:#666}img{max-width:100%;border:1px solid #ddd;margin:0.3em 0}
 code{background:#f5f5f5;padding:0 0.2em}
 """
-
-
-def _html_table(header, rows, cls=None):
-    esc = html.escape
-    out = ["<table%s>" % (' class="%s"' % cls if cls else "")]
-    out.append("<tr>" + "".join("<th>%s</th>" % esc(str(h)) for h in header) + "</tr>")
-    for row in rows:
-        cells = []
-        for cell in row:
-            text = esc(str(cell))
-            if cell in ("PASS", "FAIL"):
-                text = '<span class="%s">%s</span>' % (cell.lower(), text)
-            cells.append("<td>%s</td>" % text)
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</table>")
-    return "\n".join(out)
 
 
 def render_html(fleet):

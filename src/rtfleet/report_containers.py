@@ -15,6 +15,8 @@ import html
 import json
 from pathlib import Path
 
+from rtfleet.report_tables import html_table, md_table
+
 _COLUMNS = (
     "host",
     "sampler CPUs (node)",
@@ -101,17 +103,13 @@ def containers_markdown(entries):
     if not entries:
         return []
 
-    def esc(text):
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
     out = ["", "## Containerised sampler", "", NOTE, ""]
-    out += ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" for _ in _COLUMNS) + "|"]
-    out += ["| " + " | ".join(esc(c) for c in _row(e)) + " |" for e in entries]
+    out += md_table(_COLUMNS, [_row(e) for e in entries]).split("\n")
     for entry in entries:
         if "error" not in entry:
             out += ["", "%s: %s, image %s" % (entry["host"], entry["runtime"], entry["image"])]
             if entry["smoke"]["reason"]:
-                out.append("(%s)" % esc(entry["smoke"]["reason"]))
+                out.append("(%s)" % entry["smoke"]["reason"].replace("|", "\\|").replace("\n", " "))
     return out
 
 
@@ -119,17 +117,13 @@ def containers_html(entries):
     """The Containerised sampler section as HTML ("" when no container ran)."""
     if not entries:
         return ""
-    esc = html.escape
-    out = [
-        "<h2>Containerised sampler</h2>",
-        "<p>%s</p>" % esc(NOTE),
-        '<table class="containers">',
-        "<tr>" + "".join("<th>%s</th>" % esc(c) for c in _COLUMNS) + "</tr>",
-    ]
-    for entry in entries:
-        out.append("<tr>" + "".join("<td>%s</td>" % esc(str(c)) for c in _row(entry)) + "</tr>")
-    out.append("</table>")
-    return "\n".join(out)
+    return "\n".join(
+        [
+            "<h2>Containerised sampler</h2>",
+            "<p>%s</p>" % html.escape(NOTE),
+            html_table(_COLUMNS, [_row(e) for e in entries], "containers"),
+        ]
+    )
 
 
 def containers_failed(entries):
