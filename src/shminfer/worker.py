@@ -52,6 +52,9 @@ _SAFETY_WAIT_S = 0.05
 # CPU_NOT_MEASURED; metrics count its wall time (< 0.1 ms) as its deschedule, an upper
 # bound that can neither hide a deschedule nor push one past a gate. The thread clock
 # (the process/thread CPU ratio only) is read around every THREAD_SAMPLE_EVERY-th batch.
+# The C loop (shminfer._fast) takes a batch's start from a process-clock reading of the
+# spin that found it when that is at most 0.01 ms old, off the request's path: exact but
+# for a deschedule within those 0.01 ms (_fast.c, SPIN_CPU_MAX_AGE_NS).
 THREAD_SAMPLE_EVERY = 16
 MAX_ERROR = 1024  # bytes of error text in an ERROR response
 
