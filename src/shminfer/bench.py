@@ -16,6 +16,15 @@ processes (client on --client-cpu, server on --server-cpu):
                   both sides busy-polling ``receive()``, the response held (zero-copy) until
                   the next call, as shminfer's ``finish(copy=False)`` views are
 
+The round trips of shminfer, pipe_pickle, tcp_pickle and iceoryx2 are measured
+interleaved: all four servers wait side by side (iceoryx2's busy-polling one stopped
+with SIGSTOP while it is not its turn) and the requests go in 10 rounds, each a slice of
+every variant's in a rotated order. On a VM the host's state moves a variant's p50 by
+half from one minute to the next; measured one after another, the ratios of two variants
+moved with it (shminfer / iceoryx2 0.22-0.57 in back-to-back runs), interleaved they meet
+the same states (docs/shminfer-speed.md). shminfer_pure (this process switches its path)
+and sleep_poll (its server polls) run alone afterwards.
+
 For each it prints p50/p99/p99.9/max round trip and sequential throughput, then for
 shminfer, pipe_pickle and iceoryx2: throughput with 4 requests in flight, and for
 shminfer and pipe_pickle the first request after 1 s idle; with a 1-thread numpy model,
@@ -33,6 +42,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import struct
 import tempfile
@@ -367,6 +377,91 @@ def _deschedule(server_cpu, client_cpu, requests):
     return summary
 
 
+ROUNDS = 10  # interleaved rounds of the variants that wait side by side
+
+
+def _start(name, ctx, args, everywhere, inputs):
+    """A variant's server, started unpinned (servers pin themselves), checked once."""
+    os.sched_setaffinity(0, everywhere)
+    if name == "shminfer":
+        variant = _ShmVariant(args.server_cpu)
+    elif name == "shminfer_pure":
+        variant = _pure_variant(args.server_cpu)
+    elif name == "sleep_poll":
+        variant = _ShmVariant(args.server_cpu, wait_mode="sleep")
+    elif name == "pipe_pickle":
+        variant = _PipeVariant(ctx, args.server_cpu)
+    elif name == "iceoryx2":
+        variant = _IceoryxVariant(ctx, args.server_cpu)
+    else:
+        variant = _TcpVariant(ctx, args.server_cpu)
+    _pin(args.client_cpu)
+    try:
+        out = variant.call(inputs)
+        assert np.array_equal(out["y"][:, :WIDTH], inputs["x"]), f"{name}: wrong echo"
+    except BaseException:
+        variant.close()
+        raise
+    return variant
+
+
+def _pause(variant):
+    """Stop a busy-polling server (iceoryx2's) while the others are measured."""
+    if isinstance(variant, _IceoryxVariant):
+        os.kill(variant.proc.pid, signal.SIGSTOP)
+
+
+def _resume(variant):
+    if isinstance(variant, _IceoryxVariant):
+        os.kill(variant.proc.pid, signal.SIGCONT)
+
+
+def _interleaved(variants, inputs, requests):
+    """``requests`` timed calls per variant in ROUNDS rounds (fewer when there are fewer
+    requests), each after a warm-up, the order rotated every round. Returns
+    {name: (samples_ns, elapsed_s)} and, per round, {name: p50 µs}."""
+    names = list(variants)
+    rounds = min(ROUNDS, requests)
+    pooled = {name: ([], 0.0) for name in names}
+    by_round = []
+    for r in range(rounds):
+        per_round = requests // rounds + (r < requests % rounds)
+        order = names[r % len(names) :] + names[: r % len(names)] if names else []
+        medians = {}
+        for name in order:
+            variant = variants[name]
+            _resume(variant)
+            try:
+                for _ in range(min(100, per_round)):
+                    variant.call(inputs)
+                samples, elapsed = pooled[name]
+                t_start = time.perf_counter()
+                first = len(samples)
+                for _ in range(per_round):
+                    t0 = time.perf_counter_ns()
+                    variant.call(inputs)
+                    samples.append(time.perf_counter_ns() - t0)
+                pooled[name] = (samples, elapsed + time.perf_counter() - t_start)
+                medians[name] = round(float(np.median(samples[first:])) / 1e3, 2)
+            finally:
+                _pause(variant)
+        by_round.append(medians)
+    return {n: (s, max(e, 1e-9)) for n, (s, e) in pooled.items()}, by_round
+
+
+def _extras(name, variant, inputs, args):
+    """Throughput with 4 in flight and the first request after 1 s idle, where measured."""
+    requests = args.requests
+    if name in ("shminfer", "shminfer_pure", "pipe_pickle"):
+        return {
+            "rps_4_in_flight": _in_flight(variant, inputs, requests),
+            "after_1s_idle_p50_us": _after_idle(variant, inputs, args.idle_samples),
+        }
+    if name == "iceoryx2":
+        return {"rps_4_in_flight": _in_flight(variant, inputs, requests)}
+    return {}
+
+
 @contextlib.contextmanager
 def private_run_dir():
     """The bench's servers publish in a temporary directory of their own (SHMINFER_DIR,
@@ -407,53 +502,55 @@ def _main(args) -> int:
         names.remove("shminfer_pure")
         skipped.append("shminfer_pure (this process runs pure already: shminfer is the fallback)")
     results = {}
-    extras = {}
     load_start = round(os.getloadavg()[0], 2)
     path = _sys.IMPLEMENTATION
-    for name in names:
-        # Servers are started unpinned (they pin themselves), then the client pins.
-        os.sched_setaffinity(0, everywhere)
-        if name == "shminfer":
-            variant = _ShmVariant(args.server_cpu)
-        elif name == "shminfer_pure":
-            variant = _pure_variant(args.server_cpu)
-        elif name == "sleep_poll":
-            variant = _ShmVariant(args.server_cpu, wait_mode="sleep")
-        elif name == "pipe_pickle":
-            variant = _PipeVariant(ctx, args.server_cpu)
-        elif name == "iceoryx2":
-            variant = _IceoryxVariant(ctx, args.server_cpu)
-        else:
-            variant = _TcpVariant(ctx, args.server_cpu)
+    # The variants that can wait side by side (their idle servers take no CPU, or are
+    # paused) are measured interleaved: ROUNDS rounds, each a slice of every variant's
+    # requests in a rotated order, so that each meets the same states of the host (on a
+    # VM they change from one minute to the next). The pure path (this process switches
+    # its implementation) and the sleep-poll baseline (it polls) run alone afterwards.
+    together = [n for n in names if n not in ("shminfer_pure", "sleep_poll")]
+    alone = [n for n in names if n in ("shminfer_pure", "sleep_poll")]
+    started = {}
+    try:
+        for name in together:
+            started[name] = _start(name, ctx, args, everywhere, inputs)
+            _pause(started[name])
+        _pin(args.client_cpu)
+        samples, rounds = _interleaved(started, inputs, args.requests)
+        for name, variant in started.items():
+            _resume(variant)
+            results[name] = _stats(*samples[name])
+            results[name].update(_extras(name, variant, inputs, args))
+            _pause(variant)
+    finally:
+        for variant in started.values():
+            _resume(variant)
+            variant.close()
+    for name in alone:
+        variant = _start(name, ctx, args, everywhere, inputs)
         _pin(args.client_cpu)
         try:
-            out = variant.call(inputs)
-            assert np.array_equal(out["y"][:, :WIDTH], inputs["x"]), f"{name}: wrong echo"
             requests = args.requests if name != "sleep_poll" else max(200, args.requests // 20)
             for _ in range(min(1000, requests // 10)):
                 variant.call(inputs)
             results[name] = _timed(lambda v=variant: v.call(inputs), requests)
-            if name in ("shminfer", "shminfer_pure", "pipe_pickle"):
-                extras[name] = {
-                    "rps_4_in_flight": _in_flight(variant, inputs, requests),
-                    "after_1s_idle_p50_us": _after_idle(variant, inputs, args.idle_samples),
-                }
-                results[name].update(extras[name])
-            elif name == "iceoryx2":
-                results[name]["rps_4_in_flight"] = _in_flight(variant, inputs, requests)
+            results[name].update(_extras(name, variant, inputs, args))
         finally:
             variant.close()
             if name == "shminfer_pure":
                 os.environ.pop("SHMINFER_PURE", None)
                 _sys.use("c")
     report = {
-        "variants": results,
+        "variants": {name: results[name] for name in names},
         "shminfer_path": path,
         "load_avg_1m_start": load_start,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     if skipped:
         report["skipped"] = skipped
+    if len(started) > 1:
+        report["interleaved"] = {"variants": list(started), "rounds_p50_us": rounds}
     if "shminfer" in results:
         os.sched_setaffinity(0, everywhere)
         summary = _deschedule(args.server_cpu, args.client_cpu, min(args.requests, 5000))
@@ -550,6 +647,17 @@ def _print(report):
         )
     for note in report.get("skipped", []):
         console.print(f"skipped: {note}")
+    together = report.get("interleaved")
+    if together:
+        line = f"measured interleaved in {len(together['rounds_p50_us'])} rounds: " + ", ".join(
+            together["variants"]
+        )
+        by_round = together["rounds_p50_us"]
+        if "iceoryx2" in together["variants"] and "shminfer" in together["variants"]:
+            ratios = [r["shminfer"] / r["iceoryx2"] for r in by_round if r.get("iceoryx2")]
+            if ratios:
+                line += f"; shminfer / iceoryx2 p50 per round {min(ratios):.2f}-{max(ratios):.2f}"
+        console.print(line)
     console.print(
         f"shminfer ran its {report['shminfer_path']} path; load average (1 min) "
         f"{report['load_avg_1m_start']} at the start, {report['load_avg_1m']} at the end"
