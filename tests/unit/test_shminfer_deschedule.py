@@ -95,10 +95,12 @@ def test_a_stop_while_the_worker_spins_is_not_a_batch_deschedule():
     # The C loop takes a batch's start CPU from a clock reading of its spin when that is
     # at most 0.01 ms old (_fast.c, SPIN_CPU_MAX_AGE_NS). A worker stopped while spinning
     # for work, with a request arriving meanwhile, must not count the stop in the 5 ms
-    # batch: it came before the claim (the queue wait shows it). The stop lands at the
-    # spin's CPU clock syscall; the reading is kept only if its wall time, read after
-    # the CPU clock, is fresh at the claim (a wall time read first, or no age check,
-    # shows the whole batch as deschedule here).
+    # batch: it came before the claim (the queue wait shows it), and the batch keeps its
+    # 5 ms of CPU. The stop lands at the spin's CPU clock syscall; the reading is kept
+    # only if its wall time, read after the CPU clock, is fresh at the claim (a wall time
+    # read first, or no age check, takes the stop off the batch's CPU: 0 ms, the whole
+    # batch as deschedule). The CPU is checked, not the deschedule, which the parallel
+    # tests' real preemptions of this 2-core machine may raise.
     burn_ms = 5.0
     with (
         serving("burn", str(burn_ms), spin_us=5_000_000) as server,
@@ -108,7 +110,7 @@ def test_a_stop_while_the_worker_spins_is_not_a_batch_deschedule():
         client.infer(X)  # the slot's layout: its next requests take the C loop's path
         seg = client.lanes[0].seg
         worker = seg.get("worker_pid")
-        deschedules, waits = [], []
+        cpus, waits = [], []
         for _ in range(3):
             client.infer(X)
             time.sleep(0.02)  # the worker spins (5 s) for the next request
@@ -122,10 +124,10 @@ def test_a_stop_while_the_worker_spins_is_not_a_batch_deschedule():
             client.finish(pending)
             (record,) = _records(client, head)
             assert cpu_measured(record[CPU])
-            deschedules.append(summarize(record[None, :])["deschedule_ms_max"])
+            cpus.append(record[CPU] / 1e6)
             waits.append(record[RING_FIELDS.index("queue_wait_ns")] / 1e6)
     assert min(waits) >= 90, waits  # the stop is the request's wait in the queue ...
-    assert sorted(deschedules)[1] < burn_ms / 2, deschedules  # ... not the batch's
+    assert min(cpus) >= 0.95 * burn_ms, cpus  # ... and the batch has its whole CPU
 
 
 def test_short_batches_report_no_deschedule_past_the_gate():
