@@ -71,16 +71,21 @@ def _stats(samples_ns, elapsed_s):
     }
 
 
-def _timed(call, requests, warmup=0):
-    for _ in range(warmup):
-        call()
+def _sampled(call, requests):
+    """``requests`` timed calls: (round trips in ns, the loop's elapsed seconds)."""
     samples = []
     t_start = time.perf_counter()
     for _ in range(requests):
         t0 = time.perf_counter_ns()
         call()
         samples.append(time.perf_counter_ns() - t0)
-    return _stats(samples, time.perf_counter() - t_start)
+    return samples, time.perf_counter() - t_start
+
+
+def _timed(call, requests, warmup=0):
+    for _ in range(warmup):
+        call()
+    return _stats(*_sampled(call, requests))
 
 
 # ---------------------------------------------------------------- pickle baselines
@@ -422,7 +427,8 @@ def _interleaved(variants, inputs, requests):
     {name: (samples_ns, elapsed_s)} and, per round, {name: p50 µs}."""
     names = list(variants)
     rounds = min(ROUNDS, requests)
-    pooled = {name: ([], 0.0) for name in names}
+    pooled = {name: [] for name in names}
+    elapsed = dict.fromkeys(names, 0.0)
     by_round = []
     for r in range(rounds):
         per_round = requests // rounds + (r < requests % rounds)
@@ -434,19 +440,14 @@ def _interleaved(variants, inputs, requests):
             try:
                 for _ in range(min(100, per_round)):
                     variant.call(inputs)
-                samples, elapsed = pooled[name]
-                t_start = time.perf_counter()
-                first = len(samples)
-                for _ in range(per_round):
-                    t0 = time.perf_counter_ns()
-                    variant.call(inputs)
-                    samples.append(time.perf_counter_ns() - t0)
-                pooled[name] = (samples, elapsed + time.perf_counter() - t_start)
-                medians[name] = round(float(np.median(samples[first:])) / 1e3, 2)
+                samples, seconds = _sampled(lambda v=variant: v.call(inputs), per_round)
+                pooled[name].extend(samples)
+                elapsed[name] += seconds
+                medians[name] = round(float(np.median(samples)) / 1e3, 2)
             finally:
                 _pause(variant)
         by_round.append(medians)
-    return {n: (s, max(e, 1e-9)) for n, (s, e) in pooled.items()}, by_round
+    return {n: (pooled[n], max(elapsed[n], 1e-9)) for n in names}, by_round
 
 
 def _extras(name, variant, inputs, args):
