@@ -11,7 +11,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # Lab hosts for the demo: NAME=TOPOLOGY (see lab/topologies/).
 DEMO_HOSTS ?= server1=server-nps2 vmware1=vmware-like
 
-.PHONY: help setup deps demo demo-down test test-vm lint unit molecule molecule-all bench clean
+.PHONY: help setup deps demo demo-down test test-vm lint sanity collection unit molecule molecule-all bench clean
 
 help:
 	@echo "make demo   - bring up the QEMU lab and run site.yml against it"
@@ -19,12 +19,18 @@ help:
 	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
 
-$(STAMP): pyproject.toml setup.py src/shminfer/_fast.c requirements/dev.txt
+$(STAMP): pyproject.toml shminfer/pyproject.toml shminfer/setup.py shminfer/src/shminfer/_fast.c requirements/dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9) and "rtfleet needs Python >= 3.9")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements/dev.txt
+	@# rtfleet first: a venv from before 0.2 has an rtfleet whose uninstall takes shminfer's script.
 	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install --quiet --no-deps -e shminfer/
+	@# This checkout is the rtfleet.fleet collection for the venv's Ansible and for the tests
+	@# (Ansible scans sys.path for ansible_collections/, as for the ansible package's own).
+	site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  mkdir -p $$site/ansible_collections/rtfleet && ln -sfn $(CURDIR) $$site/ansible_collections/rtfleet/fleet
 	touch $@
 
 setup: $(STAMP)
@@ -48,6 +54,18 @@ lint: setup
 	$(BIN)/ansible-lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/antsibull-changelog lint
+	tests/sanity/run.sh
+
+# ansible-test sanity for the collection's modules, plugins and metadata (also part of lint).
+sanity: setup
+	tests/sanity/run.sh
+
+# The collection as users get it: installed from the built tarball into an empty directory,
+# listed by ansible-doc, and rtfleet.fleet.assess run there against a lab host.
+collection: setup deps
+	$(BIN)/rtfleet lab image
+	tests/collection/run.sh
 
 # One pytest worker per CPU, a test file per worker (module fixtures are built once).
 # shminfer runs its C hot path (shminfer._fast) where `make setup` built it; its tests run
@@ -77,7 +95,7 @@ molecule: setup deps
 molecule-all:
 	$(MAKE) molecule MOLECULE_SCENARIOS="lab-smoke host kubelet site site-epyc"
 
-test: lint unit molecule
+test: lint unit collection molecule
 
 # The pytest tests that boot lab VMs themselves (the Molecule scenario covers CI).
 test-vm: setup deps
@@ -87,4 +105,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_plan.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/shminfer/*.so .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info shminfer/build shminfer/src/*.egg-info shminfer/src/shminfer/*.so .pytest_cache .ruff_cache .hypothesis

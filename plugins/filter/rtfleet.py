@@ -3,9 +3,11 @@
 # Apache-2.0
 """Ansible filters that expose rtfleet's planner and post-check gate to playbooks.
 
-The filters run on the controller and call the same ``rtfleet.planner`` as the CLI, so a
-role's kernel arguments, kubelet reserved set and unit pinning come from one computation;
-likewise the post-check verdict comes from ``rtfleet.postcheck``, as ``rtfleet report``'s.
+The filters run on the controller and call the collection's module_utils (``planner``,
+``boot``, ``postcheck``, ``sampler``, ``topology``), the same code as the ``rtfleet`` CLI, so
+a role's kernel arguments, kubelet reserved set and unit pinning come from one computation;
+likewise the post-check verdict comes from ``postcheck``, as ``rtfleet report``'s. Use them by
+their full names: ``{{ cpus | rtfleet.fleet.cpulist }}``.
 """
 
 from __future__ import absolute_import, division, print_function
@@ -14,40 +16,38 @@ __metaclass__ = type
 
 from ansible.errors import AnsibleFilterError
 
-try:
-    from rtfleet.boot import BootConfigError, compose_kernel_args, hugepage_runtime_settings
-    from rtfleet.planner import PlanError, plan_partition
-    from rtfleet.postcheck import (
-        PostcheckError,
-        check_settings,
-        gate_host,
-        hardware_gate,
-        parse_cyclictest,
-    )
-    from rtfleet.sampler import (
-        SamplerError,
-        check_manifest_text,
-        podman_argv_text,
-        sampler_classes,
-    )
-    from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist
-
-    _IMPORT_ERROR = None
-except ImportError as exc:  # pragma: no cover - depends on the controller's environment
-    _IMPORT_ERROR = exc
-
-
-def _require():
-    if _IMPORT_ERROR is not None:
-        raise AnsibleFilterError(
-            "the rtfleet Python package is not importable by this ansible-playbook (%s): run "
-            "`make setup` and use .venv/bin/ansible-playbook" % _IMPORT_ERROR
-        )
+from ansible_collections.rtfleet.fleet.plugins.module_utils.boot import (
+    BootConfigError,
+    compose_kernel_args,
+    hugepage_runtime_settings,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.planner import (
+    PlanError,
+    plan_partition,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck import (
+    PostcheckError,
+    check_settings,
+    consistency_checks,
+    gate_host,
+    hardware_gate,
+    parse_cyclictest,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler import (
+    SamplerError,
+    check_manifest_text,
+    podman_argv_text,
+    sampler_classes,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+    format_cpulist,
+    format_cpumask,
+    parse_cpulist,
+)
 
 
 def rtfleet_plan(topology, policy=None):
     """{{ rtfleet_topology | rtfleet_plan(policy) }} -> the partition plan dict."""
-    _require()
     if not isinstance(topology, dict):
         raise AnsibleFilterError("rtfleet_plan expects the rtfleet_topology fact (a dict)")
     try:
@@ -58,7 +58,6 @@ def rtfleet_plan(topology, policy=None):
 
 def rtfleet_cpulist(cpus):
     """[0, 1, 2, 8] -> "0-2,8"."""
-    _require()
     return format_cpulist(cpus)
 
 
@@ -68,7 +67,6 @@ def rtfleet_cpumask(cpus):
     The form every cpumask file takes (tracing_cpumask, /proc/irq/*/smp_affinity): one
     hex word longer than 8 digits is refused there, so "%x" breaks at CPU 32.
     """
-    _require()
     if isinstance(cpus, str):
         cpus = parse_cpulist(cpus)
     return format_cpumask(cpus)
@@ -76,13 +74,11 @@ def rtfleet_cpumask(cpus):
 
 def rtfleet_cpus(cpulist):
     """ "0-2,8" -> [0, 1, 2, 8]."""
-    _require()
     return parse_cpulist(str(cpulist))
 
 
 def rtfleet_kernel_args(plan, topology, options=None):
     """{{ plan | rtfleet_kernel_args(rtfleet_topology, options) }} -> the host's kernel args."""
-    _require()
     try:
         return compose_kernel_args(plan, topology, dict(options or {}))
     except BootConfigError as exc:
@@ -95,7 +91,6 @@ def rtfleet_hugepages(topology, size, per_node):
     {"size_kb": 2048, "per_node": {"0": 64, ...}}, or {} when the size is reserved on the
     kernel command line (1G) or no pages are wanted.
     """
-    _require()
     try:
         return hugepage_runtime_settings(topology, size, per_node)
     except BootConfigError as exc:
@@ -107,7 +102,6 @@ def rtfleet_cyclictest(doc):
 
     Takes the raw ``cyclictest --json`` document (dict or string).
     """
-    _require()
     try:
         return parse_cyclictest(doc)
     except PostcheckError as exc:
@@ -116,7 +110,6 @@ def rtfleet_cyclictest(doc):
 
 def rtfleet_postcheck_gate(result):
     """{{ postcheck_result | rtfleet_postcheck_gate }} -> {"passed": bool, "failures": [...]}."""
-    _require()
     try:
         return gate_host(result)
     except PostcheckError as exc:
@@ -128,7 +121,6 @@ def rtfleet_postcheck_hardware_gate(result):
 
     hwlatdetect alone, judged before the rest of the post-check runs.
     """
-    _require()
     try:
         parsed, failures = hardware_gate(result)
     except PostcheckError as exc:
@@ -138,15 +130,21 @@ def rtfleet_postcheck_hardware_gate(result):
 
 def rtfleet_postcheck_settings_errors(settings):
     """{{ {'rtfleet_postcheck_duration': 60} | rtfleet_postcheck_settings_errors }} -> [str]."""
-    _require()
     return check_settings(dict(settings or {}))
+
+
+def rtfleet_postcheck_consistency(plan, observed):
+    """{{ plan | rtfleet.fleet.postcheck_consistency(observed) }}: postcheck.consistency_checks."""
+    try:
+        return consistency_checks(plan, observed)
+    except PostcheckError as exc:
+        raise AnsibleFilterError("rtfleet post-check: %s" % exc) from None
 
 
 def rtfleet_sampler_classes(records):
     """{{ host_records | rtfleet_sampler_classes }} -> [{"host_class", "spec", "settings",
     "node_names"} or {"host_class", "skipped", "node_names"}]: the sampler manifest's
     figures per host class (rtfleet.sampler)."""
-    _require()
     try:
         return sampler_classes(list(records))
     except SamplerError as exc:
@@ -155,14 +153,12 @@ def rtfleet_sampler_classes(records):
 
 def rtfleet_sampler_check(text, gid):
     """{{ manifest_text | rtfleet_sampler_check(gid) }} -> [str]: the rules it breaks."""
-    _require()
     return check_manifest_text(str(text), gid=int(gid))
 
 
 def rtfleet_sampler_podman(text, cpus, mems, image=None, args=()):
     """{{ manifest_text | rtfleet_sampler_podman(cpus=[2, 3], mems=[0]) }} -> podman argv
     that runs one replica of the manifest's pod as a kubelet would place it."""
-    _require()
     try:
         argv = podman_argv_text(str(text), cpus=list(cpus), mems=list(mems), image=image)
         return argv + [str(a) for a in args]
@@ -173,17 +169,18 @@ def rtfleet_sampler_podman(text, cpus, mems, image=None, args=()):
 class FilterModule(object):
     def filters(self):
         return {
-            "rtfleet_plan": rtfleet_plan,
-            "rtfleet_cpulist": rtfleet_cpulist,
-            "rtfleet_cpus": rtfleet_cpus,
-            "rtfleet_cpumask": rtfleet_cpumask,
-            "rtfleet_kernel_args": rtfleet_kernel_args,
-            "rtfleet_hugepages": rtfleet_hugepages,
-            "rtfleet_cyclictest": rtfleet_cyclictest,
-            "rtfleet_postcheck_gate": rtfleet_postcheck_gate,
-            "rtfleet_postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
-            "rtfleet_postcheck_settings_errors": rtfleet_postcheck_settings_errors,
-            "rtfleet_sampler_classes": rtfleet_sampler_classes,
-            "rtfleet_sampler_check": rtfleet_sampler_check,
-            "rtfleet_sampler_podman": rtfleet_sampler_podman,
+            "plan": rtfleet_plan,
+            "cpulist": rtfleet_cpulist,
+            "cpus": rtfleet_cpus,
+            "cpumask": rtfleet_cpumask,
+            "kernel_args": rtfleet_kernel_args,
+            "hugepages": rtfleet_hugepages,
+            "cyclictest": rtfleet_cyclictest,
+            "postcheck_gate": rtfleet_postcheck_gate,
+            "postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
+            "postcheck_settings_errors": rtfleet_postcheck_settings_errors,
+            "postcheck_consistency": rtfleet_postcheck_consistency,
+            "sampler_classes": rtfleet_sampler_classes,
+            "sampler_check": rtfleet_sampler_check,
+            "sampler_podman": rtfleet_sampler_podman,
         }

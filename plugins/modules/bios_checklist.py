@@ -38,12 +38,12 @@ options:
     type: bool
     default: true
 author:
-  - rtfleet contributors
+  - rtfleet contributors (@rtfleet)
 """
 
 EXAMPLES = r"""
 - name: Verify the BIOS checklist
-  bios_checklist:
+  rtfleet.fleet.bios_checklist:
     wanted:
       nps: 1
       smt: "off"
@@ -60,8 +60,14 @@ checklist:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.rtfleet_checklist import ChecklistError, evaluate
-from ansible.module_utils.rtfleet_topology import TopologyError, read_topology
+from ansible_collections.rtfleet.fleet.plugins.module_utils.checklist import (
+    ChecklistError,
+    evaluate,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+    TopologyError,
+    read_topology,
+)
 
 
 def build_module():

@@ -42,12 +42,12 @@ options:
       argument must be in C(/proc/cmdline); C(isolated) and C(nohz_full) must match them).
     type: dict
 author:
-  - rtfleet contributors
+  - rtfleet contributors (@rtfleet)
 """
 
 EXAMPLES = r"""
 - name: Verify the trial boot
-  boot_state:
+  rtfleet.fleet.boot_state:
     wanted:
       release: 6.1.0-57-rt-amd64
       flavour: rt
@@ -87,7 +87,7 @@ mismatches:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.rtfleet_boot import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.boot import (
     installed_kernels,
     kernel_entry,
     pick_kernel,

@@ -25,12 +25,12 @@ options:
     type: path
     default: /
 author:
-  - rtfleet contributors
+  - rtfleet contributors (@rtfleet)
 """
 
 EXAMPLES = r"""
 - name: Gather CPU topology facts
-  cpu_topology:
+  rtfleet.fleet.cpu_topology:
 
 - name: Show the L3 groups
   ansible.builtin.debug:
@@ -53,7 +53,10 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.rtfleet_topology import TopologyError, read_topology
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+    TopologyError,
+    read_topology,
+)
 
 
 def build_module():

@@ -65,12 +65,12 @@ options:
     type: str
     default: Managed by rtfleet (role rtfleet_kubelet). Local changes are overwritten.
 author:
-  - rtfleet contributors
+  - rtfleet contributors (@rtfleet)
 """
 
 EXAMPLES = r"""
 - name: Validate and render the kubelet configuration
-  kubelet_config:
+  rtfleet.fleet.kubelet_config:
     plan: "{{ rtfleet_topology | rtfleet_plan(rtfleet_policy) }}"
     topology: "{{ rtfleet_topology }}"
     settings:
@@ -123,7 +123,7 @@ import os
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible.module_utils.rtfleet_kubelet import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.kubelet import (
     KubeletConfigError,
     build,
     config_target,

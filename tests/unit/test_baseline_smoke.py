@@ -16,10 +16,12 @@ PLAYBOOK = """
 - hosts: localhost
   gather_facts: false
   tasks:
-    - ansible.builtin.include_role: {name: rtfleet_runtime, tasks_from: bundle}
+    - ansible.builtin.include_role: {name: rtfleet.fleet.rtfleet_runtime, tasks_from: bundle}
     - ansible.builtin.set_fact:
         __rtfleet_postcheck_online: "{{ range(cpus | int) | list }}"
-    - ansible.builtin.include_role: {name: rtfleet_postcheck, tasks_from: baseline_smoke}
+    - ansible.builtin.include_role:
+        name: rtfleet.fleet.rtfleet_postcheck
+        tasks_from: baseline_smoke
       vars:
         rtfleet_postcheck_baseline_bundle: "{{ rtfleet_runtime_bundle }}"
         rtfleet_postcheck_smoke_requests: 50

@@ -73,7 +73,7 @@ def test_module_fails_the_host_naming_the_items(trees, tmp_path):
     playbook = tmp_path / "check.yml"
     playbook.write_text(
         "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
-        f"    - bios_checklist:\n        root: {root}\n"
+        f"    - rtfleet.fleet.bios_checklist:\n        root: {root}\n"
         "        wanted: {smt: 'off'}\n        waivers: [max_idle_latency_us]\n"
     )
     run = run_local_playbook(playbook, ANSIBLE_STDOUT_CALLBACK="json")

@@ -509,9 +509,16 @@ def test_absent_checkpoints_never_need_a_reset_and_stale_ones_always_do(epyc):
 # ------------------------------------------------------------------ the role on localhost
 
 
-def _run_role(tmp_path, root, *args, **role_vars):
+def _run_role(tmp_path, root, *args, plan=True, tasks_from=None, **role_vars):
     kube = tmp_path / "kube"
+    plan_file = tmp_path / "etc-rtfleet/plan.json"
+    if plan and not plan_file.exists():
+        # The host role's record (rtfleet_host's one plan task, or `rtfleet plan`).
+        plan_file.parent.mkdir(parents=True, exist_ok=True)
+        policy = {"runtime_l3_groups": 8}
+        plan_file.write_text(json.dumps(plan_partition(read_topology(str(root)), policy)))
     role_vars = {
+        "rtfleet_kubelet_plan_file": str(plan_file),
         "rtfleet_kubelet_sysfs_root": str(root),
         "rtfleet_kubelet_config_dir": str(kube / "etc/kubelet.conf.d"),
         "rtfleet_kubelet_main_config": str(kube / "var/config.yaml"),
@@ -519,7 +526,6 @@ def _run_role(tmp_path, root, *args, **role_vars):
         "rtfleet_kubelet_backup_dir": str(kube / "backups"),
         "rtfleet_kubelet_binary": str(kube / "no-kubelet-here"),
         "rtfleet_kubelet_version": "1.34",
-        "rtfleet_kubelet_policy": {"runtime_l3_groups": 8},
         **role_vars,
     }
     play = [
@@ -527,9 +533,20 @@ def _run_role(tmp_path, root, *args, **role_vars):
             "name": "Kubelet",
             "hosts": "localhost",
             "gather_facts": False,
-            "roles": [{"role": "rtfleet_kubelet", "vars": role_vars}],
+            "roles": [{"role": "rtfleet.fleet.rtfleet_kubelet", "vars": role_vars}],
         }
     ]
+    if tasks_from:
+        del play[0]["roles"]
+        play[0]["tasks"] = [
+            {
+                "ansible.builtin.include_role": {
+                    "name": "rtfleet.fleet.rtfleet_kubelet",
+                    "tasks_from": tasks_from,
+                },
+                "vars": role_vars,
+            }
+        ]
     playbook = tmp_path / "kubelet.yml"
     playbook.write_text(yaml.safe_dump(play))
     # conftest.run_local_playbook, plus --check/--diff.
@@ -616,6 +633,41 @@ def test_role_writes_the_dropin_resets_checkpoints_and_is_idempotent(trees, node
     assert (kube / "var/cpu_manager_state").exists()
 
 
+def test_rollback_restores_the_backup_the_change_made(trees, node):
+    """tasks_from: rollback puts kubelet back as it was before rtfleet: the drop-in gone (there
+    was none), the default-policy checkpoints back; run again, it restores the same backup."""
+    root = trees("epyc-7702p-nps4")
+    kube = node / "kube"
+    before = sorted((p.name, p.read_bytes()) for p in (kube / "var").iterdir())
+    run, report = _run_role(node, root)
+    assert run.returncode == 0, run.stdout[-3000:]
+    dropin = kube / "etc/kubelet.conf.d/90-rtfleet.conf"
+    assert dropin.exists() and not (kube / "var/cpu_manager_state").exists()
+    (kube / "var/cpu_manager_state").write_text(_state("static"))  # what kubelet then wrote
+
+    run, report = _run_role(node, root, tasks_from="rollback")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert not dropin.exists()
+    assert sorted((p.name, p.read_bytes()) for p in (kube / "var").iterdir()) == before
+    skipped = _task_results(report, "Stop kubelet")
+    assert skipped and skipped[0].get("skipped"), "no kubelet binary here: stop is skipped"
+
+    run, report = _run_role(node, root, tasks_from="rollback")
+    assert run.returncode == 0 and _stats(report)["changed"] == 0
+
+
+def test_rollback_without_a_backup_changes_nothing(trees, node):
+    root = trees("epyc-7702p-nps4")
+    before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
+    run, report = _run_role(node, root, tasks_from="rollback")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert (
+        "No backup in" in _task_results(report, "Report that there is no kubelet backup")[0]["msg"]
+    )
+    assert _stats(report)["changed"] == 0
+    assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
+
+
 def test_role_check_mode_changes_nothing(trees, node):
     root = trees("epyc-7702p-nps4")
     before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
@@ -649,6 +701,25 @@ def test_role_refuses_bad_input_before_anything_changes(trees, node, role_vars, 
         if r.get("failed")
     ]
     assert message in failed[0]["msg"]
+    assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
+    assert not (node / "kube/etc").exists()
+
+
+def test_role_alone_without_the_host_record_stops_before_anything_changes(trees, node):
+    """The kubelet role never recomputes the plan: without /etc/rtfleet/plan.json it says to
+    run the host step first, and kubelet's files are as they were."""
+    root = trees("epyc-7702p-nps4")
+    before = sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir())
+    run, report = _run_role(node, root, plan=False)
+    assert run.returncode == 2
+    (failed,) = [
+        r
+        for play in report["plays"]
+        for t in play["tasks"]
+        for r in [t["hosts"]["localhost"]]
+        if r.get("failed")
+    ]
+    assert "run the host step first" in failed["msg"]
     assert sorted((p.name, p.read_bytes()) for p in (node / "kube/var").iterdir()) == before
     assert not (node / "kube/etc").exists()
 

@@ -379,18 +379,18 @@ def filters():
 
 def test_filters_are_registered_and_call_postcheck(filters):
     doc = cyclictest_doc("hist50000-complete")
-    assert filters["rtfleet_cyclictest"](json.dumps(doc)) == parse_cyclictest(doc)
+    assert filters["cyclictest"](json.dumps(doc)) == parse_cyclictest(doc)
     result = host_result()
-    assert filters["rtfleet_postcheck_gate"](result) == gate_host(result)
+    assert filters["postcheck_gate"](result) == gate_host(result)
 
 
 def test_filters_raise_ansible_errors(filters):
     from ansible.errors import AnsibleFilterError
 
     with pytest.raises(AnsibleFilterError, match=r"rtfleet cyclictest: .*return code 1"):
-        filters["rtfleet_cyclictest"]({**cyclictest_doc("hist200-overflow"), "return_code": 1})
+        filters["cyclictest"]({**cyclictest_doc("hist200-overflow"), "return_code": 1})
     with pytest.raises(AnsibleFilterError, match=r"rtfleet post-check gate: .*schema"):
-        filters["rtfleet_postcheck_gate"]({"host": "x"})
+        filters["postcheck_gate"]({"host": "x"})
 
 
 def test_a_starved_thread_is_named_not_a_json_error():
@@ -400,3 +400,135 @@ def test_a_starved_thread_is_named_not_a_json_error():
     assert '"avg": -nan' in text
     with pytest.raises(PostcheckError, match=re.escape("thread 1 (CPU 1) ran 0 cycles")):
         parse_cyclictest(text)
+
+
+# --------------------------------------------------------------------------- consistency
+
+
+def _observed(boot, kubelet, units, drift, dropin):
+    return {
+        "boot": boot,
+        "kubelet": kubelet,
+        "units": units,
+        "drift": drift,
+        "kubelet_dropin": dropin,
+    }
+
+
+def _consistency_inputs(trees, shape="epyc-9634-2s"):
+    from rtfleet.planner import plan_partition
+    from rtfleet.topology import format_cpulist, read_topology
+
+    plan = plan_partition(read_topology(str(trees(shape))), {})
+    shown = [
+        "CPUAffinity=%s\nNUMAPolicy=bind\nNUMAMask=%s\nMainPID=%d\nActiveState=active\n"
+        % (format_cpulist(g["cpus"]), g.get("memory_node", g["numa_node"]), 4000 + i)
+        for i, g in enumerate(plan["runtime_groups"])
+    ]
+    drift = {
+        "checks": {
+            "unit_threads": {
+                "status": "ok",
+                "units": {
+                    "shminfer@%s.service" % g["name"]: {"processes": 2, "threads": 9, "outside": []}
+                    for g in plan["runtime_groups"]
+                },
+            }
+        }
+    }
+    boot = {"mismatches": [], "running": {"release": "6.1.0-28-rt-amd64"}}
+    kubelet = {"reservedSystemCPUs": plan["kubelet"]["reservedSystemCPUs"]}
+    return plan, boot, kubelet, shown, drift
+
+
+@pytest.mark.parametrize(
+    "shape", ["epyc-9634-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0"]
+)
+def test_consistency_passes_when_kernel_kubelet_and_units_say_what_the_plan_says(trees, shape):
+    from rtfleet.postcheck import consistency_checks
+
+    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, shape)
+    assert len(plan["runtime_groups"]) >= 2  # server shapes: one unit per L3 group
+    checks = consistency_checks(
+        plan, _observed(boot, kubelet, shown, drift, "/etc/kubernetes/x.conf")
+    )
+    assert len(checks) == 2 + 2 * len(plan["runtime_groups"])
+    assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+
+
+def test_consistency_names_each_disagreement(trees):
+    from rtfleet.postcheck import consistency_checks
+
+    plan, boot, kubelet, shown, drift = _consistency_inputs(trees)
+    first, last = plan["runtime_groups"][0], plan["runtime_groups"][-1]
+    shown[0] = shown[0].replace("NUMAPolicy=bind", "NUMAPolicy=default")
+    shown[-1] = shown[-1].replace("ActiveState=active", "ActiveState=failed")
+    drift["checks"]["unit_threads"]["units"]["shminfer@%s.service" % first["name"]]["outside"] = [
+        {"comm": "ov-worker", "cpus_allowed": "0-191", "last_cpu": 0}
+    ]
+    kubelet["reservedSystemCPUs"] = "0-3"
+    boot["mismatches"] = ["cmdline lacks nohz_full=1-3"]
+    checks = consistency_checks(
+        plan, _observed(boot, kubelet, shown, drift, "/etc/kubernetes/x.conf")
+    )
+    failed = {c["check"]: c["detail"] for c in checks if not c["ok"]}
+    assert failed == {
+        "running kernel and /proc/cmdline = host record": "cmdline lacks nohz_full=1-3",
+        "kubelet reservedSystemCPUs = plan": "kubelet 0-3, plan %s"
+        % plan["kubelet"]["reservedSystemCPUs"],
+        "shminfer@%s CPUAffinity/NUMA = plan" % first["name"]: failed.get(
+            "shminfer@%s CPUAffinity/NUMA = plan" % first["name"]
+        ),
+        "shminfer@%s threads inside %s" % (first["name"], first["cpulist"]): (
+            "9 threads of 2 processes, outside: ov-worker (allowed 0-191, last ran on 0)"
+        ),
+        "shminfer@%s CPUAffinity/NUMA = plan" % last["name"]: failed.get(
+            "shminfer@%s CPUAffinity/NUMA = plan" % last["name"]
+        ),
+    }
+    assert "NUMA default:" in failed["shminfer@%s CPUAffinity/NUMA = plan" % first["name"]]
+    assert failed["shminfer@%s CPUAffinity/NUMA = plan" % last["name"]].startswith("failed,")
+
+
+def test_consistency_without_kubelet_dropin_or_threads_says_so(trees):
+    from rtfleet.postcheck import consistency_checks
+
+    plan, boot, _kubelet, shown, _drift = _consistency_inputs(trees, "xeon-2s-smt")
+    checks = consistency_checks(
+        plan, _observed(boot, {}, shown, {"checks": {}}, "/etc/k/90-rtfleet.conf")
+    )
+    kubelet = next(c for c in checks if c["check"].startswith("kubelet"))
+    assert kubelet["ok"] and "skipped: no /etc/k/90-rtfleet.conf" in kubelet["detail"]
+    threads = [c for c in checks if "threads inside" in c["check"]]
+    assert threads and not any(c["ok"] for c in threads)  # no thread seen is not a pass
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda p, s: ({**p, "runtime_groups": None}, s), "no runtime_groups"),
+        (lambda p, s: (p, s[:-1]), "systemctl show outputs for"),
+        (lambda p, s: (p, None), "no systemctl show outputs"),
+    ],
+)
+def test_consistency_refuses_inputs_it_cannot_compare(trees, mangle, message):
+    from rtfleet.postcheck import PostcheckError, consistency_checks
+
+    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
+    plan, shown = mangle(plan, shown)
+    with pytest.raises(PostcheckError, match=message):
+        consistency_checks(plan, _observed(boot, kubelet, shown, drift, "x"))
+
+
+@pytest.mark.parametrize(
+    "junk", ["", "CPUAffinity\n", "=\n", "CPUAffinity=not-a-list\n", "\x00" * 9]
+)
+def test_consistency_reads_hostile_systemctl_output_as_a_failure(trees, junk):
+    from rtfleet.postcheck import consistency_checks
+
+    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
+    shown[0] = junk
+    checks = consistency_checks(plan, _observed(boot, kubelet, shown, drift, "x"))
+    name = plan["runtime_groups"][0]["name"]
+    (unit,) = [c for c in checks if c["check"] == "shminfer@%s CPUAffinity/NUMA = plan" % name]
+    assert not unit["ok"]

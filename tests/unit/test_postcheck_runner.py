@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 def _render(tmp_path, name, load="", cpus="0"):
     env = jinja2.Environment(keep_trailing_newline=True)
-    env.filters["rtfleet_cpumask"] = lambda text: format_cpumask(parse_cpulist(text))
+    env.filters["rtfleet.fleet.cpumask"] = lambda text: format_cpumask(parse_cpulist(text))
     script = tmp_path / name
     text = env.from_string((TEMPLATES / f"{name}.sh.j2").read_text()).render(
         ansible_managed="test",

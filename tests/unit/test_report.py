@@ -381,8 +381,9 @@ def test_refused_hosts_show_their_deception_verdict_and_evidence(tmp_path):
         "- hosts: localhost\n"
         "  gather_facts: false\n"
         "  tasks:\n"
-        "    - cpu_topology: {root: '{{ tree }}'}\n"
-        "    - ansible.builtin.include_role: {name: rtfleet_postcheck, tasks_from: refused}\n"
+        "    - rtfleet.fleet.cpu_topology: {root: '{{ tree }}'}\n"
+        "    - ansible.builtin.include_role:\n"
+        "        {name: rtfleet.fleet.rtfleet_postcheck, tasks_from: refused}\n"
     )
     results = write_results(tmp_path / "results", [host_result("epyc1")])
     run = run_local_playbook(playbook, "-e", f"tree={tree}", "-e", f"rtfleet_report_dir={tmp_path}")

@@ -26,7 +26,7 @@ def _run(tmp_path, root, **role_vars):
                 {
                     # Only the preflight entry point: the rest of the role changes a host.
                     "ansible.builtin.include_role": {
-                        "name": "rtfleet_host",
+                        "name": "rtfleet.fleet.rtfleet_host",
                         "tasks_from": "preflight",
                     },
                     "vars": {"rtfleet_host_sysfs_root": str(root), **role_vars},
@@ -140,7 +140,7 @@ def test_host_without_cgroup_v2_is_refused_before_anything_changes(tmp_path):
     root = build_tree({**load_shape("xeon-2s-smt"), "cgroup": "v1"}, tmp_path / "v1")
     run, _, _ = _run(tmp_path, root)
     name, msg = _failure(run)
-    assert name.startswith("rtfleet_host : Refuse a host without cgroup v2")
+    assert name.startswith("rtfleet.fleet.rtfleet_host : Refuse a host without cgroup v2")
     assert "unified cgroup hierarchy" in msg and "Nothing was changed" in msg
     # Turned off, the role does not ask for it.
     run, plan, _ = _run(tmp_path, root, rtfleet_host_confine_system_slices=False)

@@ -20,7 +20,7 @@ def _run(tmp_path, **role_vars):
             "name": "Post-check",
             "hosts": "localhost",
             "gather_facts": False,
-            "roles": [{"role": "rtfleet_postcheck", "vars": role_vars}],
+            "roles": [{"role": "rtfleet.fleet.rtfleet_postcheck", "vars": role_vars}],
         }
     ]
     playbook = tmp_path / "postcheck.yml"
@@ -62,8 +62,8 @@ def test_bad_settings_stop_the_role_before_it_reads_the_host(tmp_path, role_vars
     assert run.returncode != 0
     failed = [t for t in tasks if t["hosts"].get("localhost", {}).get("failed")]
     assert [t["task"]["name"] for t in failed] == [
-        "rtfleet_postcheck : Refuse bad thresholds and durations before anything runs"
+        "rtfleet.fleet.rtfleet_postcheck : Refuse bad thresholds and durations before anything runs"
     ]
     assert message in failed[0]["hosts"]["localhost"]["msg"]
     names = [t["task"]["name"] for t in tasks]
-    assert not [n for n in names if n.startswith("rtfleet_postcheck : Read ")], names
+    assert not [n for n in names if n.startswith("rtfleet.fleet.rtfleet_postcheck : Read ")], names

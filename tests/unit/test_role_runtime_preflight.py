@@ -23,7 +23,12 @@ def _run(tmp_path, role, **role_vars):
             "name": "Apply %s" % role,
             "hosts": "localhost",
             "gather_facts": False,
-            "tasks": [{"ansible.builtin.include_role": {"name": role}, "vars": role_vars}],
+            "tasks": [
+                {
+                    "ansible.builtin.include_role": {"name": "rtfleet.fleet." + role},
+                    "vars": role_vars,
+                }
+            ],
         }
     ]
     playbook = tmp_path / "play.yml"

@@ -371,3 +371,14 @@ def test_every_host_of_a_class_must_agree_on_its_samplers(plans):
     ):
         with pytest.raises(SamplerError, match=message):
             sampler_classes(_with(_records(plans["lab-server-nps2"]), **{key: value}))
+
+
+def test_the_runtime_contract_matches_shminfers():
+    """rtfleet.sampler carries shminfer's run directory and thread variables (shminfer is
+    its own distribution, which the collection does not import); they must stay equal."""
+    from rtfleet import sampler
+    from shminfer.registry import DEFAULT_DIR
+    from shminfer.server import THREAD_ENV
+
+    assert sampler.RUN_DIR == DEFAULT_DIR
+    assert sampler.THREAD_ENV == THREAD_ENV

@@ -439,7 +439,7 @@ def test_ansible_module_returns_the_same_facts_as_the_cli(tmp_path, trees):
     out = tmp_path / "facts.json"
     playbook.write_text(
         "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
-        f"    - cpu_topology:\n        root: {root}\n"
+        f"    - rtfleet.fleet.cpu_topology:\n        root: {root}\n"
         "    - ansible.builtin.copy:\n"
         f"        dest: {out}\n"
         "        content: '{{ rtfleet_topology | to_json }}'\n"

@@ -1,7 +1,7 @@
 """The optional C hot path of shminfer (src/shminfer/_fast.c); everything else is in pyproject.
 
 Built against the stable ABI (Py_LIMITED_API 3.9): one abi3 wheel per architecture,
-``rtfleet-*-cp39-abi3-linux_<arch>.whl``, serves every node Python >= 3.9. ``optional=True``:
+``shminfer-*-cp39-abi3-linux_<arch>.whl``, serves every node Python >= 3.9. ``optional=True``:
 without a compiler (or off Linux) the build goes on without it and shminfer runs its
 pure-Python path; SHMINFER_PURE=1 forces that path at import even where it is built.
 SHMINFER_BUILD=pure builds the pure wheel (``py3-none-any``) on purpose: what the runtime

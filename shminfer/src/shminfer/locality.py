@@ -67,7 +67,7 @@ class Choice:
 
 
 def _cpulist(cpus) -> str:
-    from rtfleet.topology import format_cpulist  # noqa: PLC0415
+    from shminfer.topology import format_cpulist  # noqa: PLC0415
 
     return format_cpulist(cpus)
 
@@ -89,7 +89,7 @@ def choose_unit(units, caller_cpus, topology) -> Choice:
     ``units``: ``[{"name", "cpus"}]`` (the worker CPUs of each running unit, as its
     registry lists them); ``topology``: rtfleet's topology record of this host.
     """
-    from rtfleet.topology import nearest_nodes  # noqa: PLC0415
+    from shminfer.topology import nearest_nodes  # noqa: PLC0415
 
     caller = sorted(set(caller_cpus))
     if not caller:
@@ -227,7 +227,7 @@ def none_running(match: str, skipped) -> str:
 def where(cpus=None, *, match: str = "*", root: str = "/") -> Choice:
     """The running unit (name matching ``match``) nearest to ``cpus`` (default: the CPUs
     this process may run on), read from this host's registries and ``root``'s sysfs."""
-    from rtfleet.topology import read_topology  # noqa: PLC0415
+    from shminfer.topology import read_topology  # noqa: PLC0415
 
     caller = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     skipped = []

@@ -23,7 +23,7 @@ from shminfer.registry import read_registry
 
 
 def _cpulist(text: str) -> list[int]:
-    from rtfleet.topology import TopologyError, parse_cpulist  # noqa: PLC0415
+    from shminfer.topology import TopologyError, parse_cpulist  # noqa: PLC0415
 
     try:
         cpus = parse_cpulist(text, "--cpus")
@@ -57,7 +57,7 @@ def _node_of(cpus: list[int], root: str = "/") -> int:
     """The memory node for ``cpus``: the NUMA node they all sit on, or, when that node has
     no memory (a socket without DIMMs), the nearest node with memory (rtfleet's topology
     reader says which)."""
-    from rtfleet.topology import read_topology  # noqa: PLC0415
+    from shminfer.topology import read_topology  # noqa: PLC0415
 
     topology = read_topology(root)
     nodes = {n["id"]: n for n in topology["numa_nodes"] if set(cpus) & set(n["cpus"])}

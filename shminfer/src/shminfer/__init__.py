@@ -7,4 +7,4 @@ serialisation, no scheduler in the way. See README.md ("shminfer") for the desig
 from shminfer.client import Client, InferenceError, ServerStopped
 
 __all__ = ["Client", "InferenceError", "ServerStopped"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,0 +1,152 @@
+"""The fleet report's "Containerised sampler" section: the sampler pod, run for real.
+
+``playbooks/samplers.yml`` runs one replica of each tuned host's sampler manifest in a
+container (podman, with the manifest's user, groups, mounts and limits, on whole pod-pool
+CPUs of one NUMA node: what a kubelet with the static CPU Manager would give the pod) and
+writes ``containers/<host>.json`` below the post-check results directory. This module reads
+them into ``fleet.json``'s ``containers`` list and renders the section beside the host-side
+smoke test: which unit the sampler found and why, its round trip and deschedule figures,
+and whether its smoke gates held. No kubelet ran; the section says so.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .report_tables import html_table, md_table
+
+_COLUMNS = (
+    "host",
+    "sampler CPUs (node)",
+    "unit found",
+    "round trip p50 / p99 / p99.9 ms",
+    "deschedule p99.9 ms",
+    "gates",
+)
+NOTE = (
+    "One replica of each host class's sampler manifest, run by podman with the manifest's "
+    "user, supplementary group, read-only /run/shminfer mount, environment and limits, on "
+    "whole pod-pool CPUs of one NUMA node and memory on that node: what a kubelet with the "
+    "static CPU and Memory Managers would give the pod. No kubelet ran here."
+)
+
+
+def load_containers(results_dirs):
+    """[entry] from every ``<dir>/containers/*.json``; an unreadable file or a run that
+    printed no result is an entry with ``error`` (the report still builds)."""
+    entries = []
+    for directory in results_dirs:
+        for path in sorted((Path(directory) / "containers").glob("*.json")):
+            entries.append(_entry(path))
+    return entries
+
+
+def _entry(path):
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        entry = {
+            "host": str(record["host"]),
+            "source": str(path),
+            "runtime": str(record["runtime"]),
+            "image": str(record["image"]),
+            "argv": [str(a) for a in record["argv"]],
+            "cpus": [int(c) for c in record["cpus"]],
+            "numa_node": int(record["numa_node"]),
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return {"host": path.stem, "source": str(path), "error": str(exc)}
+    try:
+        smoke = json.loads(record.get("stdout") or "")
+        choice = smoke.get("choice") or {}
+        entry["smoke"] = {
+            "unit": str(smoke["server"]),
+            "rule": choice.get("rule"),
+            "reason": choice.get("reason"),
+            "unit_node": choice.get("unit_node"),
+            "latency_ms": [
+                float(smoke[k]) for k in ("latency_ms_p50", "latency_ms_p99", "latency_ms_p999")
+            ],
+            "deschedule_ms_p999": smoke.get("deschedule_ms_p999"),
+            "passed": bool(smoke["passed"]),
+            "failures": [str(f) for f in smoke.get("failures") or []],
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):
+        last = (record.get("stderr") or "").strip().splitlines()[-1:] or ["no output"]
+        entry["error"] = "the sampler printed no result (exit %s): %s" % (record.get("rc"), last[0])
+    return entry
+
+
+def _row(entry):
+    where = "%s (node %s)" % (
+        ",".join(map(str, entry.get("cpus", []))) or "-",
+        entry.get("numa_node", "-"),
+    )
+    if "error" in entry:
+        return [entry["host"], where, "-", "-", "-", "error: %s" % entry["error"]]
+    smoke = entry["smoke"]
+    found = "%s on node %s (%s)" % (smoke["unit"], smoke["unit_node"], smoke["rule"])
+    desched = smoke["deschedule_ms_p999"]
+    return [
+        entry["host"],
+        where,
+        found,
+        " / ".join("%.3f" % v for v in smoke["latency_ms"]),
+        "-" if desched is None else "%.3f" % desched,
+        "passed" if smoke["passed"] else "failed: " + "; ".join(smoke["failures"]),
+    ]
+
+
+def containers_markdown(entries):
+    """Lines of the Containerised sampler section (none when no container ran)."""
+    if not entries:
+        return []
+
+    out = ["", "## Containerised sampler", "", NOTE, ""]
+    out += md_table(_COLUMNS, [_row(e) for e in entries]).split("\n")
+    for entry in entries:
+        if "error" not in entry:
+            out += ["", "%s: %s, image %s" % (entry["host"], entry["runtime"], entry["image"])]
+            if entry["smoke"]["reason"]:
+                out.append("(%s)" % entry["smoke"]["reason"].replace("|", "\\|").replace("\n", " "))
+    return out
+
+
+def containers_html(entries):
+    """The Containerised sampler section as HTML ("" when no container ran)."""
+    if not entries:
+        return ""
+    return "\n".join(
+        [
+            "<h2>Containerised sampler</h2>",
+            "<p>%s</p>" % html.escape(NOTE),
+            html_table(_COLUMNS, [_row(e) for e in entries], "containers"),
+        ]
+    )
+
+
+def containers_failed(entries):
+    """One line per host whose containerised sampler did not reach its own unit or broke a
+    smoke gate (the report's verdict counts them)."""
+    failed = []
+    for entry in entries:
+        if "error" in entry:
+            failed.append("%s: containerised sampler: %s" % (entry["host"], entry["error"]))
+        elif entry["smoke"]["unit_node"] != entry["numa_node"]:
+            failed.append(
+                "%s: containerised sampler on CPUs %s (node %d) used unit %s on node %s"
+                % (
+                    entry["host"],
+                    entry["cpus"],
+                    entry["numa_node"],
+                    entry["smoke"]["unit"],
+                    entry["smoke"]["unit_node"],
+                )
+            )
+        elif not entry["smoke"]["passed"]:
+            failed.append(
+                "%s: containerised sampler: %s"
+                % (entry["host"], "; ".join(entry["smoke"]["failures"]))
+            )
+    return failed

@@ -1,0 +1,141 @@
+"""The fleet report's Drift section: what ``rtfleet-drift`` found on each host.
+
+``playbooks/verify.yml`` writes each host's result (schema in :mod:`rtfleet.drift`) to
+``drift/<host>.json`` below the post-check results directory; :func:`load_drift` reads
+them into ``fleet.json``'s ``drift`` list and the renderers add one section to
+``report.md`` and ``report.html``. Drift does not change the fleet verdict (that is the
+post-check's); it says which hosts no longer run what was verified.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .drift_checks import CHECKS as CHECK_ORDER
+from .report_tables import md_table
+
+
+def load_drift(results_dirs):
+    """[host entry] from every ``<dir>/drift/*.json``; an unreadable file is an entry with
+    ``error`` (the report still builds)."""
+    entries = []
+    for directory in results_dirs:
+        for path in sorted((Path(directory) / "drift").glob("*.json")):
+            try:
+                result = json.loads(path.read_text(encoding="utf-8"))
+                checks = result["checks"]
+                entry = {
+                    "host": result.get("inventory_host") or result["host"],
+                    "source": str(path),
+                    "checked_at": result.get("checked_at"),
+                    "mode": result.get("mode"),
+                    "drift": bool(result.get("drift")),
+                    "repinned_irqs": len(checks["irqs"].get("repinned") or []),
+                    "would_repin_irqs": len(checks["irqs"].get("would_repin") or []),
+                    "unmovable_irqs": list(checks["irqs"].get("unmovable") or []),
+                    "checks": {
+                        name: {
+                            "status": check["status"],
+                            "details": list(check.get("details") or []),
+                        }
+                        for name, check in checks.items()
+                    },
+                }
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
+            entries.append(entry)
+    return entries
+
+
+def _names(checks, *statuses):
+    order = [n for n in CHECK_ORDER if n in checks] + sorted(set(checks) - set(CHECK_ORDER))
+    return [n for n in order if checks[n]["status"] in statuses]
+
+
+def _row(entry):
+    if "error" in entry:
+        return [entry["host"], "unreadable", "-", "-", entry["error"]]
+    checks = entry["checks"]
+    drifted = _names(checks, "drift")
+    irqs = entry["repinned_irqs"] or entry["would_repin_irqs"]
+    verb = "re-pinned" if entry["mode"] == "repair" else "would re-pin"
+    return [
+        entry["host"],
+        "DRIFT" if entry["drift"] else "none",
+        entry["checked_at"] or "?",
+        "%s %d" % (verb, irqs) if irqs else "-",
+        ", ".join(drifted) or "-",
+    ]
+
+
+_COLUMNS = ("host", "drift", "checked", "IRQs", "drifted checks")
+
+
+def drift_markdown(entries):
+    """Lines of the Drift section (none when no host has a drift result)."""
+    if not entries:
+        return []
+
+    def esc(text):
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    out = ["", "## Drift", ""]
+    drifted = [e["host"] for e in entries if e.get("drift") or "error" in e]
+    out.append(
+        "rtfleet-drift on %d host(s): %s."
+        % (len(entries), "drift on " + ", ".join(drifted) if drifted else "no drift")
+    )
+    out += ["", md_table(_COLUMNS, [_row(e) for e in entries])]
+    for entry in entries:
+        if "error" in entry:
+            continue
+        checks = entry["checks"]
+        names = _names(checks, "drift", "repaired")
+        if names:
+            out += ["", "### Drift on %s" % entry["host"], ""]
+            for name in names:
+                for detail in checks[name]["details"]:
+                    out.append("- %s (%s): %s" % (name, checks[name]["status"], esc(detail)))
+    return out
+
+
+def drift_html(entries):
+    """The Drift section as HTML ("" when no host has a drift result)."""
+    if not entries:
+        return ""
+    esc = html.escape
+    drifted = [e["host"] for e in entries if e.get("drift") or "error" in e]
+    out = [
+        "<h2>Drift</h2>",
+        "<p>rtfleet-drift on %d host(s): %s.</p>"
+        % (
+            len(entries),
+            '<span class="fail">drift on %s</span>' % esc(", ".join(drifted))
+            if drifted
+            else '<span class="pass">no drift</span>',
+        ),
+        '<table class="drift">',
+        "<tr>" + "".join("<th>%s</th>" % esc(c) for c in _COLUMNS) + "</tr>",
+    ]
+    for entry in entries:
+        cells = _row(entry)
+        marked = ['<span class="fail">DRIFT</span>' if c == "DRIFT" else esc(str(c)) for c in cells]
+        out.append("<tr>" + "".join("<td>%s</td>" % c for c in marked) + "</tr>")
+    out.append("</table>")
+    for entry in entries:
+        if "error" in entry:
+            continue
+        checks = entry["checks"]
+        names = _names(checks, "drift", "repaired")
+        if names:
+            out.append("<h3>Drift on %s</h3><ul>" % esc(entry["host"]))
+            for name in names:
+                for detail in checks[name]["details"]:
+                    out.append(
+                        "<li>%s (%s): %s</li>"
+                        % (esc(name), esc(checks[name]["status"]), esc(detail))
+                    )
+            out.append("</ul>")
+    return "\n".join(out)

@@ -1,0 +1,107 @@
+"""The fleet report's "Refused hosts" section: why assess set each host aside.
+
+``playbooks/assess.yml`` (the post-check role's ``refused`` entry point) writes the
+topology-deception verdict of every refused host to ``refused/<host>.json`` below the
+post-check results directory; :func:`load_refused` reads them into ``fleet.json``'s
+``refused`` list and the renderers add one section to ``report.md`` and ``report.html``,
+beside the before/after table that the same hosts' baseline measurements feed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from .report_tables import md_table
+
+_COLUMNS = ("host", "hypervisor", "shown to the guest", "verdict")
+
+
+def load_refused(results_dirs):
+    """[entry] from every ``<dir>/refused/*.json``; an unreadable file is an entry with
+    ``error`` (the report still builds)."""
+    entries = []
+    for directory in results_dirs:
+        for path in sorted((Path(directory) / "refused").glob("*.json")):
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+                shown = record.get("shown") or {}
+                entry = {
+                    "host": str(record["host"]),
+                    "source": str(path),
+                    "summary": str(record["summary"]),
+                    "evidence": [str(e) for e in record["evidence"]],
+                    "hypervisor": record.get("hypervisor"),
+                    "shown": {k: int(v) for k, v in shown.items()},
+                }
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
+            entries.append(entry)
+    return entries
+
+
+def _shown(entry):
+    shown = entry["shown"]
+    parts = [
+        "%d %s" % (shown[key], one if shown[key] == 1 else many)
+        for key, one, many in (
+            ("cpus", "CPU", "CPUs"),
+            ("sockets", "socket", "sockets"),
+            ("numa_nodes", "NUMA node", "NUMA nodes"),
+            ("l3_groups", "L3 group", "L3 groups"),
+        )
+        if key in shown
+    ]
+    return ", ".join(parts) or "-"
+
+
+def _row(entry):
+    if "error" in entry:
+        return [entry["host"], "-", "-", "unreadable: %s" % entry["error"]]
+    return [entry["host"], entry["hypervisor"] or "-", _shown(entry), entry["summary"]]
+
+
+def refused_markdown(entries):
+    """Lines of the Refused hosts section (none when assess refused no host)."""
+    if not entries:
+        return []
+
+    def esc(text):
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    out = ["", "## Refused hosts", ""]
+    out.append(
+        "Not tuned: their topology hides what pinning needs (the field reports' VMware "
+        "guests). Move them to bare metal or a VM that shows sockets, NUMA nodes and L3."
+    )
+    out += ["", md_table(_COLUMNS, [_row(e) for e in entries])]
+    for entry in entries:
+        if "error" in entry or not entry["evidence"]:
+            continue
+        out += ["", "Evidence on %s:" % entry["host"], ""]
+        out += ["- %s" % esc(item) for item in entry["evidence"]]
+    return out
+
+
+def refused_html(entries):
+    """The Refused hosts section as HTML ("" when assess refused no host)."""
+    if not entries:
+        return ""
+    esc = html.escape
+    out = [
+        "<h2>Refused hosts</h2>",
+        "<p>Not tuned: their topology hides what pinning needs (the field reports' VMware "
+        "guests). Move them to bare metal or a VM that shows sockets, NUMA nodes and L3.</p>",
+        '<table class="refused">',
+        "<tr>" + "".join("<th>%s</th>" % esc(c) for c in _COLUMNS) + "</tr>",
+    ]
+    for entry in entries:
+        out.append("<tr>" + "".join("<td>%s</td>" % esc(str(c)) for c in _row(entry)) + "</tr>")
+    out.append("</table>")
+    for entry in entries:
+        if "error" in entry or not entry["evidence"]:
+            continue
+        out.append("<p>Evidence on %s:</p><ul>" % esc(entry["host"]))
+        out += ["<li>%s</li>" % esc(item) for item in entry["evidence"]]
+        out.append("</ul>")
+    return "\n".join(out)
