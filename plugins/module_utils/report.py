@@ -1,8 +1,9 @@
 """The fleet report: every host's post-check result, its verdict, plots, before and after.
 
 ``build_report(results_dir, out_dir)`` reads the per-host ``*.json`` files the post-check
-role wrote (schema in :mod:`rtfleet.postcheck`), re-gates each host with
-:func:`rtfleet.postcheck.gate_host` and writes::
+role wrote (schema in ``postcheck.py``), re-gates each host with ``postcheck.gate_host`` and
+writes (the HTML and the Markdown from one document, :func:`report_blocks`, through the
+Jinja2 templates of ``report_doc.py``)::
 
     out_dir/fleet.json                         every host, parsed, plus the fleet verdict
     out_dir/report.md                          for a merge request or a ticket
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import html
 import json
 import os
 import re
@@ -42,16 +42,10 @@ from .postcheck import (
     parse_hwlatdetect,
     parse_oslat,
 )
-from .report_containers import (
-    containers_failed,
-    containers_html,
-    containers_markdown,
-    load_containers,
-)
-from .report_drift import drift_html, drift_markdown, load_drift
-from .report_refused import load_refused, refused_html, refused_markdown
-from .report_tables import html_table as _html_table
-from .report_tables import md_table as _md_table
+from . import report_doc as doc
+from .report_containers import containers_blocks, containers_failed, load_containers
+from .report_drift import drift_blocks, load_drift
+from .report_refused import load_refused, refused_blocks
 
 FLEET_SCHEMA_VERSION = 1
 DEFAULT_MAX_US = 100
@@ -694,119 +688,152 @@ _PLOTS = (
 )
 
 
-def render_markdown(fleet):
+def report_blocks(fleet):
+    """The whole report as report_doc blocks: one document for report.html and report.md."""
     verdict = fleet["verdict"]
-    out = ["# rtfleet post-check report", ""]
-    out.append(
-        "**Fleet: %s** (%s). Generated %s."
-        % ("PASSED" if verdict["passed"] else "FAILED", verdict["reason"], fleet["generated_at"])
-    )
-    out += ["", "## Hosts", ""]
+    passed = verdict["passed"]
+    out = [
+        doc.heading(1, "rtfleet post-check report"),
+        doc.para(
+            doc.span(
+                "Fleet: %s" % ("PASSED" if passed else "FAILED"), "pass" if passed else "fail"
+            ),
+            " (%s). " % verdict["reason"],
+            doc.span("Generated %s." % fleet["generated_at"], "muted"),
+        ),
+        doc.heading(2, "Hosts"),
+    ]
     rows = [host_summary(h) for h in fleet["hosts"]]
     out.append(
-        _md_table(
+        doc.table(
             [c for c, _key in _FLEET_COLUMNS],
             [[r[k] for _title, k in _FLEET_COLUMNS] for r in rows],
+            "fleet",
         )
     )
     if fleet["before_after"]:
-        out += ["", "## Before and after", ""]
-        out.append(
-            "Worst host of each kind; baseline = the old VMs before migration. Lower is "
-            "better; ≥ N means beyond cyclictest's histogram (no ratio)."
-        )
-        out.append("")
-        out.append(
-            _md_table(
-                _BEFORE_AFTER_COLUMNS, [_before_after_cells(r) for r in fleet["before_after"]]
-            )
-        )
-    out.extend(containers_markdown(fleet.get("containers")))
-    out.extend(refused_markdown(fleet.get("refused")))
-    out.extend(drift_markdown(fleet.get("drift")))
+        out += [
+            doc.heading(2, "Before and after"),
+            doc.para(
+                "Worst host of each kind; baseline = the old VMs before migration. Lower is "
+                "better; ≥ N means beyond cyclictest's histogram (no ratio)."
+            ),
+            doc.table(
+                _BEFORE_AFTER_COLUMNS,
+                [_before_after_cells(r) for r in fleet["before_after"]],
+                "before-after",
+            ),
+        ]
+    out.extend(containers_blocks(fleet.get("containers")))
+    out.extend(refused_blocks(fleet.get("refused")))
+    out.extend(drift_blocks(fleet.get("drift")))
     for entry in fleet["hosts"]:
-        out += ["", "## %s (%s)" % (entry["host"], entry["kind"]), ""]
-        out.extend(_host_facts_md(entry))
-        out.extend(_host_sections_md(entry))
-    out.append("")
-    return "\n".join(out)
+        out.extend(_host_blocks(entry))
+    return out
 
 
-def _host_facts_md(entry):
+def render_markdown(fleet):
+    return doc.render_markdown(report_blocks(fleet))
+
+
+def render_html(fleet):
+    return doc.render_html(report_blocks(fleet), "rtfleet post-check report", _CSS)
+
+
+def _host_facts(entry):
     kernel = entry["kernel"] or {}
-    lines = [
-        "- collected: %s" % (entry["collected_at"] or "?"),
-        "- kernel: %s, realtime %s" % (kernel.get("release", "?"), kernel.get("realtime", "?")),
-        "- plan: %s" % _plan_text(entry["plan"]),
+    facts = [
+        doc.item("collected: %s" % (entry["collected_at"] or "?")),
+        doc.item(
+            "kernel: %s, realtime %s" % (kernel.get("release", "?"), kernel.get("realtime", "?"))
+        ),
+        doc.item("plan: %s" % _plan_text(entry["plan"])),
     ]
     if kernel.get("cmdline"):
-        lines.append("- cmdline: `%s`" % kernel["cmdline"].replace("`", "'"))
-    note = _emulation_note(entry)
-    if note:
-        lines.insert(0, "> **%s**" % note)
-        lines.insert(1, "")
+        facts.append(doc.item("cmdline: ", doc.span(kernel["cmdline"], code=True)))
     if entry["kind"] == "tuned":
         gate = entry["gate"]
-        lines.append(
-            "- gate: %s"
-            % ("passed" if gate["passed"] else "**failed** (%s)" % gate.get("verdict", "failed"))
+        shown = (
+            doc.span("passed", "pass")
+            if gate["passed"]
+            else doc.span("failed (%s)" % gate.get("verdict", "failed"), "fail")
         )
-        lines.extend("  - %s" % failure for failure in gate["failures"])
+        facts.append(doc.item("gate: ", shown, children=[[f] for f in gate["failures"]]))
     if entry["gate_recorded_differs"]:
-        lines.append("- note: the gate recorded in the result file differs from this evaluation")
-    return lines
+        facts.append(
+            doc.item("note: the gate recorded in the result file differs from this evaluation")
+        )
+    return facts
 
 
-def _host_sections_md(entry):
-    out = []
+def _tool_section(title, sentence, table):
+    out = [doc.heading(3, title), doc.para(sentence)]
+    if table:
+        out.append(doc.table(*table, title))
+    return out
+
+
+def _host_blocks(entry):
+    out = [
+        doc.heading(
+            2,
+            "%s (%s)" % (entry["host"], entry["kind"]),
+            anchor="host-%s" % _safe_name(entry["host"]),
+        )
+    ]
+    emulated = _emulation_note(entry)
+    if emulated:
+        out.append(doc.note(emulated))
+    out.append(doc.bullets(_host_facts(entry)))
     blocks = _tool_blocks(entry)
-    for title, sentence, table in blocks[:1]:
-        out += ["", "### %s" % title, "", sentence]
-        if table:
-            out += ["", _md_table(*table)]
+    for block in blocks[:1]:
+        out.extend(_tool_section(*block))
     ct = entry["cyclictest"]
     if ct and "skipped" in ct:
-        out += ["", "### cyclictest", "", "Not run: %s." % ct["skipped"].rstrip(".")]
+        out += [doc.heading(3, "cyclictest"), doc.para("Not run: %s." % ct["skipped"].rstrip("."))]
     elif ct:
-        out += ["", "### cyclictest", ""]
+        out.append(doc.heading(3, "cyclictest"))
         if "error" in ct:
-            out.append("Unreadable: %s" % ct["error"])
+            out.append(doc.para("Unreadable: %s" % ct["error"]))
         else:
             summary = ct["summary"]
-            out.append(
-                "rt-tests %s, %d cycles on CPUs %s, load: %s, histogram %s µs."
-                % (
-                    summary["version"],
-                    summary["cycles"],
-                    summary["cpus"] or "?",
-                    ct.get("load") or "none recorded",
-                    _fmt(summary["histogram_us"]),
-                )
-            )
-            out.append("")
             hist_us = summary["histogram_us"]
-            out.append(_md_table(_CPU_COLUMNS, [_cpu_cells(r, hist_us) for r in ct["cpus"]]))
-    for title, sentence, table in blocks[1:]:
-        out += ["", "### %s" % title, "", sentence]
-        if table:
-            out += ["", _md_table(*table)]
+            out += [
+                doc.para(
+                    "rt-tests %s, %d cycles on CPUs %s, load: %s, histogram %s µs."
+                    % (
+                        summary["version"],
+                        summary["cycles"],
+                        summary["cpus"] or "?",
+                        ct.get("load") or "none recorded",
+                        _fmt(hist_us),
+                    )
+                ),
+                doc.table(_CPU_COLUMNS, [_cpu_cells(r, hist_us) for r in ct["cpus"]], "cpus"),
+            ]
+    for block in blocks[1:]:
+        out.extend(_tool_section(*block))
     if entry["smoke"]:
-        out += ["", "### shminfer smoke", ""]
-        out.append(_md_table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]]))
+        out += [
+            doc.heading(3, "shminfer smoke"),
+            doc.table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]], "smoke"),
+        ]
     if entry["consistency"]:
-        out += ["", "### Consistency checks", ""]
-        out.append(
-            _md_table(
+        out += [
+            doc.heading(3, "Consistency checks"),
+            doc.table(
                 ("check", "ok", "detail"),
                 [
                     (c.get("check"), "yes" if c.get("ok") else "no", c.get("detail", ""))
                     for c in entry["consistency"]
                 ],
-            )
-        )
+                "consistency",
+            ),
+        ]
     for key, title in _PLOTS:
-        if entry.get("plots", {}).get(key):
-            out += ["", "![%s %s](%s)" % (entry["host"], title, entry["plots"][key])]
+        src = entry.get("plots", {}).get(key)
+        if src:
+            out.append(doc.image(src, "%s %s" % (entry["host"], title)))
     return out
 
 
@@ -819,150 +846,6 @@ th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
 .muted{color:#666}img{max-width:100%;border:1px solid #ddd;margin:0.3em 0}
 code{background:#f5f5f5;padding:0 0.2em}
 """
-
-
-def render_html(fleet):
-    esc = html.escape
-    verdict = fleet["verdict"]
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>rtfleet post-check report</title>",
-        "<style>%s</style></head><body>" % _CSS,
-        "<h1>rtfleet post-check report</h1>",
-        '<p>Fleet: <span class="%s">%s</span> (%s). <span class="muted">Generated %s.</span></p>'
-        % (
-            "pass" if verdict["passed"] else "fail",
-            "PASSED" if verdict["passed"] else "FAILED",
-            esc(verdict["reason"]),
-            esc(fleet["generated_at"]),
-        ),
-        "<h2>Hosts</h2>",
-    ]
-    rows = [host_summary(h) for h in fleet["hosts"]]
-    out.append(
-        _html_table(
-            [c for c, _key in _FLEET_COLUMNS],
-            [[r[k] for _title, k in _FLEET_COLUMNS] for r in rows],
-            "fleet",
-        )
-    )
-    if fleet["before_after"]:
-        out.append("<h2>Before and after</h2>")
-        out.append(
-            "<p>Worst host of each kind; baseline = the old VMs before migration. Lower is "
-            "better; ≥ N means beyond cyclictest's histogram (no ratio).</p>"
-        )
-        out.append(
-            _html_table(
-                _BEFORE_AFTER_COLUMNS,
-                [_before_after_cells(r) for r in fleet["before_after"]],
-                "before-after",
-            )
-        )
-    out.append(containers_html(fleet.get("containers")))
-    out.append(refused_html(fleet.get("refused")))
-    out.append(drift_html(fleet.get("drift")))
-    for entry in fleet["hosts"]:
-        out.append(
-            '<h2 id="host-%s">%s (%s)</h2>'
-            % (esc(_safe_name(entry["host"])), esc(entry["host"]), esc(entry["kind"]))
-        )
-        out.append(_host_html(entry))
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
-
-
-def _host_html(entry):
-    esc = html.escape
-    kernel = entry["kernel"] or {}
-    out = []
-    note = _emulation_note(entry)
-    if note:
-        out.append('<p class="fail">%s</p>' % esc(note))
-    out.append("<ul>")
-    out.append("<li>collected: %s</li>" % esc(str(entry["collected_at"] or "?")))
-    out.append(
-        "<li>kernel: %s, realtime %s</li>"
-        % (esc(str(kernel.get("release", "?"))), esc(str(kernel.get("realtime", "?"))))
-    )
-    out.append("<li>plan: %s</li>" % esc(_plan_text(entry["plan"])))
-    if kernel.get("cmdline"):
-        out.append("<li>cmdline: <code>%s</code></li>" % esc(kernel["cmdline"]))
-    if entry["kind"] == "tuned":
-        gate = entry["gate"]
-        out.append(
-            '<li>gate: <span class="%s">%s</span>'
-            % (
-                "pass" if gate["passed"] else "fail",
-                "passed" if gate["passed"] else "failed (%s)" % gate.get("verdict", "failed"),
-            )
-        )
-        if gate["failures"]:
-            out.append("<ul>%s</ul>" % "".join("<li>%s</li>" % esc(f) for f in gate["failures"]))
-        out.append("</li>")
-    if entry["gate_recorded_differs"]:
-        out.append(
-            "<li>note: the gate recorded in the result file differs from this evaluation</li>"
-        )
-    out.append("</ul>")
-    blocks = _tool_blocks(entry)
-
-    def html_blocks(chosen):
-        for title, sentence, table in chosen:
-            out.append("<h3>%s</h3>" % esc(title))
-            out.append("<p>%s</p>" % esc(sentence))
-            if table:
-                out.append(_html_table(*table, title))
-
-    html_blocks(blocks[:1])
-    ct = entry["cyclictest"]
-    if ct and "skipped" in ct:
-        out.append("<h3>cyclictest</h3>")
-        out.append("<p>Not run: %s.</p>" % esc(ct["skipped"].rstrip(".")))
-    elif ct:
-        out.append("<h3>cyclictest</h3>")
-        if "error" in ct:
-            out.append("<p>Unreadable: %s</p>" % esc(ct["error"]))
-        else:
-            summary = ct["summary"]
-            out.append(
-                "<p>rt-tests %s, %d cycles on CPUs %s, load: %s, histogram %s µs.</p>"
-                % (
-                    esc(str(summary["version"])),
-                    summary["cycles"],
-                    esc(summary["cpus"] or "?"),
-                    esc(str(ct.get("load") or "none recorded")),
-                    esc(_fmt(summary["histogram_us"])),
-                )
-            )
-            hist_us = summary["histogram_us"]
-            out.append(
-                _html_table(_CPU_COLUMNS, [_cpu_cells(r, hist_us) for r in ct["cpus"]], "cpus")
-            )
-    html_blocks(blocks[1:])
-    if entry["smoke"]:
-        out.append("<h3>shminfer smoke</h3>")
-        out.append(_html_table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]], "smoke"))
-    if entry["consistency"]:
-        out.append("<h3>Consistency checks</h3>")
-        out.append(
-            _html_table(
-                ("check", "ok", "detail"),
-                [
-                    (c.get("check"), "yes" if c.get("ok") else "no", c.get("detail", ""))
-                    for c in entry["consistency"]
-                ],
-                "consistency",
-            )
-        )
-    for key, title in _PLOTS:
-        src = entry.get("plots", {}).get(key)
-        if src:
-            out.append(
-                '<p><img src="%s" alt="%s"></p>' % (esc(src), esc("%s %s" % (entry["host"], title)))
-            )
-    return "\n".join(out)
 
 
 def render_fleet_table(fleet, console=None):

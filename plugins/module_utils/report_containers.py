@@ -11,11 +11,10 @@ and whether its smoke gates held. No kubelet ran; the section says so.
 
 from __future__ import annotations
 
-import html
 import json
 from pathlib import Path
 
-from .report_tables import html_table, md_table
+from . import report_doc as doc
 
 _COLUMNS = (
     "host",
@@ -98,32 +97,23 @@ def _row(entry):
     ]
 
 
-def containers_markdown(entries):
-    """Lines of the Containerised sampler section (none when no container ran)."""
+def containers_blocks(entries):
+    """The Containerised sampler section as report_doc blocks (none when no container ran)."""
     if not entries:
         return []
-
-    out = ["", "## Containerised sampler", "", NOTE, ""]
-    out += md_table(_COLUMNS, [_row(e) for e in entries]).split("\n")
+    out = [
+        doc.heading(2, "Containerised sampler"),
+        doc.para(NOTE),
+        doc.table(_COLUMNS, [_row(e) for e in entries], "containers"),
+    ]
     for entry in entries:
         if "error" not in entry:
-            out += ["", "%s: %s, image %s" % (entry["host"], entry["runtime"], entry["image"])]
+            out.append(
+                doc.para("%s: %s, image %s" % (entry["host"], entry["runtime"], entry["image"]))
+            )
             if entry["smoke"]["reason"]:
-                out.append("(%s)" % entry["smoke"]["reason"].replace("|", "\\|").replace("\n", " "))
+                out.append(doc.para("(%s)" % entry["smoke"]["reason"]))
     return out
-
-
-def containers_html(entries):
-    """The Containerised sampler section as HTML ("" when no container ran)."""
-    if not entries:
-        return ""
-    return "\n".join(
-        [
-            "<h2>Containerised sampler</h2>",
-            "<p>%s</p>" % html.escape(NOTE),
-            html_table(_COLUMNS, [_row(e) for e in entries], "containers"),
-        ]
-    )
 
 
 def containers_failed(entries):

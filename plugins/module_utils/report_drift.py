@@ -9,12 +9,11 @@ post-check's); it says which hosts no longer run what was verified.
 
 from __future__ import annotations
 
-import html
 import json
 from pathlib import Path
 
 from .drift_checks import CHECKS as CHECK_ORDER
-from .report_tables import md_table
+from . import report_doc as doc
 
 
 def load_drift(results_dirs):
@@ -73,69 +72,34 @@ def _row(entry):
 _COLUMNS = ("host", "drift", "checked", "IRQs", "drifted checks")
 
 
-def drift_markdown(entries):
-    """Lines of the Drift section (none when no host has a drift result)."""
+def drift_blocks(entries):
+    """The Drift section as report_doc blocks (none when no host has a drift result)."""
     if not entries:
         return []
-
-    def esc(text):
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    out = ["", "## Drift", ""]
-    drifted = [e["host"] for e in entries if e.get("drift") or "error" in e]
-    out.append(
-        "rtfleet-drift on %d host(s): %s."
-        % (len(entries), "drift on " + ", ".join(drifted) if drifted else "no drift")
-    )
-    out += ["", md_table(_COLUMNS, [_row(e) for e in entries])]
-    for entry in entries:
-        if "error" in entry:
-            continue
-        checks = entry["checks"]
-        names = _names(checks, "drift", "repaired")
-        if names:
-            out += ["", "### Drift on %s" % entry["host"], ""]
-            for name in names:
-                for detail in checks[name]["details"]:
-                    out.append("- %s (%s): %s" % (name, checks[name]["status"], esc(detail)))
-    return out
-
-
-def drift_html(entries):
-    """The Drift section as HTML ("" when no host has a drift result)."""
-    if not entries:
-        return ""
-    esc = html.escape
     drifted = [e["host"] for e in entries if e.get("drift") or "error" in e]
     out = [
-        "<h2>Drift</h2>",
-        "<p>rtfleet-drift on %d host(s): %s.</p>"
-        % (
-            len(entries),
-            '<span class="fail">drift on %s</span>' % esc(", ".join(drifted))
+        doc.heading(2, "Drift"),
+        doc.para(
+            "rtfleet-drift on %d host(s): " % len(entries),
+            doc.span("drift on " + ", ".join(drifted), "fail")
             if drifted
-            else '<span class="pass">no drift</span>',
+            else doc.span("no drift", "pass"),
+            ".",
         ),
-        '<table class="drift">',
-        "<tr>" + "".join("<th>%s</th>" % esc(c) for c in _COLUMNS) + "</tr>",
+        doc.table(_COLUMNS, [_row(e) for e in entries], "drift"),
     ]
-    for entry in entries:
-        cells = _row(entry)
-        marked = ['<span class="fail">DRIFT</span>' if c == "DRIFT" else esc(str(c)) for c in cells]
-        out.append("<tr>" + "".join("<td>%s</td>" % c for c in marked) + "</tr>")
-    out.append("</table>")
     for entry in entries:
         if "error" in entry:
             continue
         checks = entry["checks"]
         names = _names(checks, "drift", "repaired")
         if names:
-            out.append("<h3>Drift on %s</h3><ul>" % esc(entry["host"]))
-            for name in names:
-                for detail in checks[name]["details"]:
-                    out.append(
-                        "<li>%s (%s): %s</li>"
-                        % (esc(name), esc(checks[name]["status"]), esc(detail))
-                    )
-            out.append("</ul>")
-    return "\n".join(out)
+            out.append(doc.heading(3, "Drift on %s" % entry["host"]))
+            out.append(
+                doc.bullets(
+                    doc.item("%s (%s): %s" % (name, checks[name]["status"], detail))
+                    for name in names
+                    for detail in checks[name]["details"]
+                )
+            )
+    return out

@@ -9,10 +9,9 @@ beside the before/after table that the same hosts' baseline measurements feed.
 
 from __future__ import annotations
 
-import html
 import json
 from pathlib import Path
-from .report_tables import md_table
+from . import report_doc as doc
 
 _COLUMNS = ("host", "hypervisor", "shown to the guest", "verdict")
 
@@ -61,47 +60,21 @@ def _row(entry):
     return [entry["host"], entry["hypervisor"] or "-", _shown(entry), entry["summary"]]
 
 
-def refused_markdown(entries):
-    """Lines of the Refused hosts section (none when assess refused no host)."""
+def refused_blocks(entries):
+    """The Refused hosts section as report_doc blocks (none when assess refused no host)."""
     if not entries:
         return []
-
-    def esc(text):
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    out = ["", "## Refused hosts", ""]
-    out.append(
-        "Not tuned: their topology hides what pinning needs (the field reports' VMware "
-        "guests). Move them to bare metal or a VM that shows sockets, NUMA nodes and L3."
-    )
-    out += ["", md_table(_COLUMNS, [_row(e) for e in entries])]
-    for entry in entries:
-        if "error" in entry or not entry["evidence"]:
-            continue
-        out += ["", "Evidence on %s:" % entry["host"], ""]
-        out += ["- %s" % esc(item) for item in entry["evidence"]]
-    return out
-
-
-def refused_html(entries):
-    """The Refused hosts section as HTML ("" when assess refused no host)."""
-    if not entries:
-        return ""
-    esc = html.escape
     out = [
-        "<h2>Refused hosts</h2>",
-        "<p>Not tuned: their topology hides what pinning needs (the field reports' VMware "
-        "guests). Move them to bare metal or a VM that shows sockets, NUMA nodes and L3.</p>",
-        '<table class="refused">',
-        "<tr>" + "".join("<th>%s</th>" % esc(c) for c in _COLUMNS) + "</tr>",
+        doc.heading(2, "Refused hosts"),
+        doc.para(
+            "Not tuned: their topology hides what pinning needs (the field reports' VMware "
+            "guests). Move them to bare metal or a VM that shows sockets, NUMA nodes and L3."
+        ),
+        doc.table(_COLUMNS, [_row(e) for e in entries], "refused"),
     ]
     for entry in entries:
-        out.append("<tr>" + "".join("<td>%s</td>" % esc(str(c)) for c in _row(entry)) + "</tr>")
-    out.append("</table>")
-    for entry in entries:
         if "error" in entry or not entry["evidence"]:
             continue
-        out.append("<p>Evidence on %s:</p><ul>" % esc(entry["host"]))
-        out += ["<li>%s</li>" % esc(item) for item in entry["evidence"]]
-        out.append("</ul>")
-    return "\n".join(out)
+        out.append(doc.para("Evidence on %s:" % entry["host"]))
+        out.append(doc.bullets(doc.item(evidence) for evidence in entry["evidence"]))
+    return out

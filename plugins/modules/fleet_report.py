@@ -75,6 +75,9 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 
+from ansible_collections.rtfleet.fleet.plugins.module_utils.report_doc import (
+    JINJA2_IMPORT_ERROR,
+)
 from ansible_collections.rtfleet.fleet.plugins.module_utils.report import (
     ReportError,
     build_report,
@@ -99,6 +102,8 @@ def main():
         ),
         supports_check_mode=False,
     )
+    if JINJA2_IMPORT_ERROR is not None:
+        module.fail_json(msg=missing_required_lib("Jinja2"), exception=str(JINJA2_IMPORT_ERROR))
     if RICH_IMPORT_ERROR is not None:
         module.fail_json(msg=missing_required_lib("rich"), exception=RICH_IMPORT_ERROR)
     out = module.params["out"]

@@ -487,3 +487,22 @@ def test_the_containerised_sampler_is_reported_and_gates_the_fleet(tmp_path):
     (containers / "broken.json").write_text("{")
     fleet = build_report(results, tmp_path / "out", plots=False)
     assert [e["host"] for e in fleet["containers"]] == ["broken", "epyc1"]
+
+
+def test_hostile_strings_in_a_result_are_escaped_in_html_and_markdown(tmp_path):
+    """A result file is data from a host: its strings reach report.html escaped and
+    report.md's tables without breaking a row (both come from one document, report_doc)."""
+    evil = '<script>alert(1)</script> | <img src=x onerror="y"> `id`\nsecond line'
+    result = host_result("epyc1", consistency=[{"check": evil, "ok": False, "detail": evil}])
+    result["kernel"]["cmdline"] = "quiet `rm -rf /` <b>"
+    results = write_results(tmp_path / "results", [result])
+    build_report(results, tmp_path / "out", plots=False)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<script" not in page.lower() and "<img src=x" not in page and "<b>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    rows = [line for line in markdown.splitlines() if "alert(1)" in line]
+    # the check's own table row: both cells on one line, every | inside them escaped
+    assert any(line.count(" | ") == 2 and "\\|" in line for line in rows), rows
+    assert "\nsecond line" not in markdown  # a newline in a string cannot end a row
+    assert "- cmdline: `quiet 'rm -rf /' <b>`" in markdown
