@@ -47,7 +47,7 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
 
 
 def rtfleet_plan(topology, policy=None):
-    """{{ rtfleet_topology | rtfleet_plan(policy) }} -> the partition plan dict."""
+    """{{ rtfleet_topology | rtfleet.fleet.plan(policy) }} -> the partition plan dict."""
     if not isinstance(topology, dict):
         raise AnsibleFilterError("rtfleet_plan expects the rtfleet_topology fact (a dict)")
     try:
@@ -78,7 +78,7 @@ def rtfleet_cpus(cpulist):
 
 
 def rtfleet_kernel_args(plan, topology, options=None):
-    """{{ plan | rtfleet_kernel_args(rtfleet_topology, options) }} -> the host's kernel args."""
+    """{{ plan | rtfleet.fleet.kernel_args(rtfleet_topology, options) }} -> kernel args."""
     try:
         return compose_kernel_args(plan, topology, dict(options or {}))
     except BootConfigError as exc:
@@ -86,7 +86,7 @@ def rtfleet_kernel_args(plan, topology, options=None):
 
 
 def rtfleet_hugepages(topology, size, per_node):
-    """{{ rtfleet_topology | rtfleet_hugepages(size, per_node) }} -> what the tuner allocates.
+    """{{ rtfleet_topology | rtfleet.fleet.hugepages(size, per_node) }} -> what the tuner allocates.
 
     {"size_kb": 2048, "per_node": {"0": 64, ...}}, or {} when the size is reserved on the
     kernel command line (1G) or no pages are wanted.
@@ -98,7 +98,7 @@ def rtfleet_hugepages(topology, size, per_node):
 
 
 def rtfleet_cyclictest(doc):
-    """{{ cyclictest_json | rtfleet_cyclictest }} -> {"summary": {...}, "cpus": [...]}.
+    """{{ cyclictest_json | rtfleet.fleet.cyclictest }} -> {"summary": {...}, "cpus": [...]}.
 
     Takes the raw ``cyclictest --json`` document (dict or string).
     """
@@ -109,7 +109,7 @@ def rtfleet_cyclictest(doc):
 
 
 def rtfleet_postcheck_gate(result):
-    """{{ postcheck_result | rtfleet_postcheck_gate }} -> {"passed": bool, "failures": [...]}."""
+    """{{ result | rtfleet.fleet.postcheck_gate }} -> {"passed": bool, "failures": [...]}."""
     try:
         return gate_host(result)
     except PostcheckError as exc:
@@ -117,7 +117,7 @@ def rtfleet_postcheck_gate(result):
 
 
 def rtfleet_postcheck_hardware_gate(result):
-    """{{ partial_result | rtfleet_postcheck_hardware_gate }} -> {"passed", "measured", "failures"}.
+    """{{ partial | rtfleet.fleet.postcheck_hardware_gate }} -> {"passed", "measured", "failures"}.
 
     hwlatdetect alone, judged before the rest of the post-check runs.
     """
@@ -129,7 +129,9 @@ def rtfleet_postcheck_hardware_gate(result):
 
 
 def rtfleet_postcheck_settings_errors(settings):
-    """{{ {'rtfleet_postcheck_duration': 60} | rtfleet_postcheck_settings_errors }} -> [str]."""
+    """{{ {'rtfleet_postcheck_duration': 60} | rtfleet.fleet.postcheck_settings_errors }}.
+
+    -> [str], one line per bad setting."""
     return check_settings(dict(settings or {}))
 
 
@@ -142,7 +144,7 @@ def rtfleet_postcheck_consistency(plan, observed):
 
 
 def rtfleet_sampler_classes(records):
-    """{{ host_records | rtfleet_sampler_classes }} -> [{"host_class", "spec", "settings",
+    """{{ host_records | rtfleet.fleet.sampler_classes }} -> [{"host_class", "spec", "settings",
     "node_names"} or {"host_class", "skipped", "node_names"}]: the sampler manifest's
     figures per host class (rtfleet.sampler)."""
     try:
@@ -152,12 +154,12 @@ def rtfleet_sampler_classes(records):
 
 
 def rtfleet_sampler_check(text, gid):
-    """{{ manifest_text | rtfleet_sampler_check(gid) }} -> [str]: the rules it breaks."""
+    """{{ manifest_text | rtfleet.fleet.sampler_check(gid) }} -> [str]: the rules it breaks."""
     return check_manifest_text(str(text), gid=int(gid))
 
 
 def rtfleet_sampler_podman(text, cpus, mems, image=None, args=()):
-    """{{ manifest_text | rtfleet_sampler_podman(cpus=[2, 3], mems=[0]) }} -> podman argv
+    """{{ manifest_text | rtfleet.fleet.sampler_podman(cpus=[2, 3], mems=[0]) }} -> podman argv
     that runs one replica of the manifest's pod as a kubelet would place it."""
     try:
         argv = podman_argv_text(str(text), cpus=list(cpus), mems=list(mems), image=image)

@@ -69,9 +69,14 @@ author:
 """
 
 EXAMPLES = r"""
+- name: Read the plan the host role recorded
+  ansible.builtin.slurp:
+    src: /etc/rtfleet/plan.json
+  register: plan_record
+
 - name: Validate and render the kubelet configuration
   rtfleet.fleet.kubelet_config:
-    plan: "{{ rtfleet_topology | rtfleet_plan(rtfleet_policy) }}"
+    plan: "{{ plan_record.content | b64decode | from_json }}"
     topology: "{{ rtfleet_topology }}"
     settings:
       kubelet_version: "1.31"
