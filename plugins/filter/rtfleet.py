@@ -33,6 +33,13 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck import (
     hardware_gate,
     parse_cyclictest,
 )
+from ansible_collections.rtfleet.fleet.plugins.module_utils.rollout import (
+    SAFEST,
+    RolloutError,
+    batch_verdict,
+    decide,
+    decided,
+)
 from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler import (
     SamplerError,
     check_manifest_text,
@@ -168,6 +175,48 @@ def rtfleet_sampler_podman(text, cpus, mems, image=None, args=()):
         raise AnsibleFilterError("rtfleet samplers: %s" % exc) from None
 
 
+_ROLLOUT_KEYS = ("rtfleet_serial", "rtfleet_max_fail_percentage")
+# Where playbooks/rollout.yml keeps its decision: a fact of the controller's localhost.
+_ROLLOUT_FACT = "__rtfleet_rollout"
+
+
+def rtfleet_rollout_settings(hostvars, hosts):
+    """{{ hostvars | rtfleet.fleet.rollout_settings(ansible_play_hosts_all) }} -> the rollout's
+    one batch plan ({hosts, serial, max_fail_percentage}) from the targeted hosts' variables."""
+    try:
+        return decide(
+            {
+                host: {k: hostvars[host][k] for k in _ROLLOUT_KEYS if k in hostvars[host]}
+                for host in hosts
+            }
+        )
+    except RolloutError as exc:
+        raise AnsibleFilterError(str(exc)) from None
+
+
+def rtfleet_rollout_keyword(hostvars, key):
+    """{{ hostvars | default(none) | rtfleet.fleet.rollout_keyword('serial') }}: the rolling
+    play's serial or max_fail_percentage keyword from the decision; an error, never a default,
+    when there is none."""
+    if hostvars is None:
+        # No play of this run has started: --syntax-check, --list-hosts and --list-tasks
+        # template the keyword here. In a run, the deciding play targets the same hosts, so it
+        # started unless no host matched, and then this play has no host either. The
+        # smallest batch, should that reasoning ever fail.
+        return SAFEST[key]
+    decision = hostvars["localhost"].get(_ROLLOUT_FACT) if "localhost" in hostvars else None
+    try:
+        return decided(decision, key)
+    except RolloutError as exc:
+        raise AnsibleFilterError(str(exc)) from None
+
+
+def rtfleet_rollout_batch_verdict(batch, survivors, max_fail_percentage):
+    """{{ batch_hosts | rtfleet.fleet.rollout_batch_verdict(ansible_play_batch, 0) }} ->
+    {lost, percent, stop, message}: whether the rollout goes on after a batch."""
+    return batch_verdict(batch, survivors, max_fail_percentage)
+
+
 class FilterModule(object):
     def filters(self):
         return {
@@ -182,6 +231,9 @@ class FilterModule(object):
             "postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
             "postcheck_settings_errors": rtfleet_postcheck_settings_errors,
             "postcheck_consistency": rtfleet_postcheck_consistency,
+            "rollout_settings": rtfleet_rollout_settings,
+            "rollout_keyword": rtfleet_rollout_keyword,
+            "rollout_batch_verdict": rtfleet_rollout_batch_verdict,
             "sampler_classes": rtfleet_sampler_classes,
             "sampler_check": rtfleet_sampler_check,
             "sampler_podman": rtfleet_sampler_podman,
