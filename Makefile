@@ -11,12 +11,13 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # Lab hosts for the demo: NAME=TOPOLOGY (see lab/topologies/).
 DEMO_HOSTS ?= server1=server-nps2 vmware1=vmware-like
 
-.PHONY: help setup deps demo demo-down test test-vm lint sanity collection unit molecule molecule-all bench clean
+.PHONY: help setup deps demo demo-down test test-vm lint sanity collection unit molecule molecule-all drills bench clean
 
 help:
 	@echo "make demo   - bring up the QEMU lab and run site.yml against it"
 	@echo "make test   - lint, unit tests and the Molecule scenarios (boot and reboot lab VMs)"
 	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
+	@echo "make drills - fault drills (power cuts, a killed controller...) on a lab VM"
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
 
 $(STAMP): pyproject.toml shminfer/pyproject.toml shminfer/setup.py shminfer/src/shminfer/_fast.c requirements/dev.txt
@@ -96,6 +97,15 @@ molecule-all:
 	$(MAKE) molecule MOLECULE_SCENARIOS="lab-smoke host kubelet site site-epyc"
 
 test: lint unit collection molecule
+
+# Fault drills on one 8-vCPU lab host (tests/drills, docs/drills.md): each injects its fault
+# for real (SIGKILL to ansible-playbook, a power cut of the guest, ...) and checks the host
+# converges after it; its own lab state, and no QEMU left running afterwards.
+# DRILLS=expr runs some of them (pytest -k).
+DRILLS ?=
+drills: setup deps
+	$(BIN)/rtfleet lab image
+	$(BIN)/pytest tests/drills -v -p no:cacheprovider $(if $(DRILLS),-k "$(DRILLS)")
 
 # The pytest tests that boot lab VMs themselves (the Molecule scenario covers CI).
 test-vm: setup deps

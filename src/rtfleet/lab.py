@@ -265,6 +265,11 @@ class Host:
     image: str = ""
     boot_seconds: float | None = None
     started_at: float | None = None
+    # QEMU's cache mode for the overlay. "unsafe" ignores the guest's flushes (fast, and a
+    # stopped lab host is thrown away); the fault drills boot "writeback", where a flush
+    # reaches the host, so a power cut (`rtfleet lab power HOST off`) loses only what the
+    # guest had not flushed, as on a real disk.
+    disk_cache: str = "unsafe"
 
 
 def host_dir(state: Path, name: str) -> Path:
@@ -531,7 +536,8 @@ def qemu_argv(
         "-machine", "q35",
         "-accel", accel_opt,
         *topology_argv(topo),
-        "-drive", f"file={_qemu_opt(overlay)},format=qcow2,if=virtio,cache=unsafe,discard=unmap",
+        "-drive",
+        f"file={_qemu_opt(overlay)},format=qcow2,if=virtio,cache={host.disk_cache},discard=unmap",
         "-nic", f"user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{host.port}-:22",
         "-fw_cfg", f"name=opt/rtfleet/authorized_keys,file={_qemu_opt(key.with_suffix('.pub'))}",
         "-fw_cfg", f"name=opt/rtfleet/hostname,string={host.name}",
@@ -593,6 +599,12 @@ def start_host(state: Path, host: Host, topo: Topology, image: Path, key: Path) 
         ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(image), str(overlay)],
         check=True,
     )
+    launch_qemu(state, host, topo, key)
+
+
+def launch_qemu(state: Path, host: Host, topo: Topology, key: Path) -> None:
+    """Start QEMU on the host's existing overlay (a power-on)."""
+    hdir = host_dir(state, host.name)
     used = {h.port for h in load_hosts(state).values() if h.name != host.name}
     for attempt in range(3):
         if attempt or not port_is_free(host.port) or host.port in used:
@@ -802,7 +814,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                 continue
             if host_dir(state, name).exists():
                 remove_host(state, name)  # stale: dead QEMU or a half-made host
-            host = Host(name=name, topology=topology, port=0, accel=args.accel, image=str(image))
+            host = Host(
+                name=name,
+                topology=topology,
+                port=0,
+                accel=args.accel,
+                image=str(image),
+                disk_cache=args.disk_cache,
+            )
             host.port = free_port(
                 exclude={h.port for h in existing.values()} | {h.port for h in pending}
             )
@@ -933,6 +952,45 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 1 if mismatches else 0
 
 
+def power_off(state: Path, name: str) -> int:
+    """Cut a host's power: SIGKILL to its QEMU, no shutdown, no flush. -> the pid killed.
+    The overlay stays (`power on` boots it again); a host that is not running is an error,
+    so a fault drill cannot pass without its fault."""
+    pid, alive = host_alive(state, name)
+    if pid is None or not alive:
+        raise LabError(f"{name} is not running: there is no power to cut")
+    os.kill(pid, signal.SIGKILL)
+    if not _wait_gone(pid, str(overlay_path(state, name)), 10.0):
+        raise LabError(f"{name}: QEMU {pid} survived SIGKILL")
+    with contextlib.suppress(FileNotFoundError):
+        pidfile_path(state, name).unlink()
+    return pid
+
+
+def cmd_power(args: argparse.Namespace) -> int:
+    repo = find_repo_root()
+    state = state_dir(repo)
+    host = load_hosts(state).get(args.host)
+    if host is None:
+        raise LabError(f"no lab host {args.host!r} in {state}; see `rtfleet lab status`")
+    if args.action == "off":
+        with state_lock(state):
+            pid = power_off(state, host.name)
+        print(f"{host.name}: power cut (QEMU {pid} killed); `rtfleet lab power {host.name} on`")
+        return 0
+    if host_alive(state, host.name)[1]:
+        raise LabError(f"{host.name} is running; cut its power first")
+    with state_lock(state):
+        launch_qemu(state, host, load_topology(repo, host.topology), key_path(state))
+        write_inventory(state)
+    seconds = wait_for_ssh(state, host, args.timeout or DEFAULT_BOOT_TIMEOUT_S)
+    host.boot_seconds = round(seconds, 1)
+    with state_lock(state):
+        save_host(state, host)
+    print(f"{host.name}: powered on, ssh ready after {seconds:.0f} s (port {host.port})")
+    return 0
+
+
 def cmd_ssh(args: argparse.Namespace) -> int:
     state = state_dir()
     host = load_hosts(state).get(args.host)
@@ -999,6 +1057,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="QEMU accelerator (default %(default)s; stock Debian kernels fail under this KVM)",
     )
     up.add_argument("--image", help="base image to use instead of the cached one")
+    up.add_argument(
+        "--disk-cache",
+        choices=["unsafe", "writeback"],
+        default="unsafe",
+        help="QEMU cache mode of the overlay: writeback honours the guest's flushes (fault drills)",
+    )
     up.set_defaults(func=_run(cmd_up))
 
     down = lab_sub.add_parser("down", help="stop hosts and delete their overlays")
@@ -1015,6 +1079,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     probe.add_argument("hosts", nargs="*", metavar="HOST")
     probe.set_defaults(func=_run(cmd_probe))
+
+    power = lab_sub.add_parser(
+        "power", help="cut a host's power (SIGKILL to QEMU, overlay kept) or power it on again"
+    )
+    power.add_argument("host")
+    power.add_argument("action", choices=["off", "on"])
+    power.add_argument("--timeout", type=float, default=_env_float("RTFLEET_LAB_BOOT_TIMEOUT"))
+    power.set_defaults(func=_run(cmd_power))
 
     ssh = lab_sub.add_parser("ssh", help="ssh into a host: rtfleet lab ssh HOST [-- CMD ...]")
     ssh.add_argument("host")

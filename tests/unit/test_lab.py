@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -164,6 +165,11 @@ def test_qemu_argv_is_loopback_daemonised_and_pidfiled(tmp_path):
     assert "name=opt/rtfleet/hostname,string=h1" in argv
     # The overlay path is the marker that pid checks look for in /proc/<pid>/cmdline.
     assert str(lab.overlay_path(tmp_path, "h1")) in joined
+    assert ",cache=unsafe," in joined
+    host.disk_cache = "writeback"  # the fault drills: the guest's flushes reach the host
+    assert ",cache=writeback," in " ".join(
+        lab.qemu_argv(tmp_path, host, lab.load_topology(REPO, "epyc-2ccx"), key)
+    )
 
 
 # ----------------------------------------------------------------------------- inventory
@@ -253,6 +259,33 @@ def test_stop_process_terminates_and_removes_the_pidfile(tmp_path):
     assert lab.stop_process(pidfile, marker, timeout=5) is True
     assert proc.wait(timeout=5) is not None
     assert not pidfile.exists()
+
+
+def test_power_off_kills_at_once_and_keeps_the_overlay(state):
+    overlay = lab.overlay_path(state, "h1")
+    overlay.parent.mkdir(parents=True)
+    overlay.write_text("disk")
+    # A process that ignores SIGTERM, as a guest mid-shutdown would not get the chance to.
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
+            str(overlay),
+        ]
+    )
+    lab.pidfile_path(state, "h1").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 5
+    while (
+        str(overlay) not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert lab.power_off(state, "h1") == proc.pid
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert overlay.read_text() == "disk" and not lab.pidfile_path(state, "h1").exists()
+    with pytest.raises(lab.LabError, match="not running: there is no power to cut"):
+        lab.power_off(state, "h1")
 
 
 def test_stop_process_leaves_a_recycled_pid_alone(tmp_path):

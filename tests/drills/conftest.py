@@ -1,0 +1,183 @@
+"""Fault drills on a lab host (`make drills`): real playbooks against a real guest, with real
+faults injected from outside them: SIGKILL to ansible-playbook (a controller that dies), a
+power cut (SIGKILL to the guest's QEMU, `rtfleet lab power HOST off`), a stand-in kubelet
+that refuses a marked configuration (a fault injector, named as one, never reported as
+kubelet). Each drill fails when its fault did not happen, and checks the end state with the
+host's own checkers (rtfleet-drift --check, boot_state) after a re-run.
+
+Not Molecule: a fault that kills ansible-playbook or the guest in the middle of a task can
+only be injected by a process that watches the run from outside, which Molecule's sequence
+(create, converge, side_effect, verify) has no step for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HOST = "drill"
+TOPOLOGY = os.environ.get("RTFLEET_DRILL_TOPOLOGY", "epyc-2ccx")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "drill: a fault drill on a lab VM (make drills)")
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    output: str
+    seconds: float
+    faults: list[str] = field(default_factory=list)
+
+    def recap(self, host: str = HOST) -> dict[str, int]:
+        line = re.search(r"^%s\s+:\s+(.*)$" % re.escape(host), self.output, re.M)
+        if not line:
+            return {}
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line.group(1))}
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+class Lab:
+    """One lab host for the drills, in a lab state directory of its own."""
+
+    def __init__(self, state: Path, logs: Path):
+        self.state = state
+        self.logs = logs
+        self.env = {
+            **os.environ,
+            "RTFLEET_LAB_DIR": str(state),
+            "RTFLEET_REPORT_DIR": str(logs / "report"),
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.runs = 0
+
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 1800
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(BIN / "rtfleet"), "lab", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"rtfleet lab {' '.join(args)}: {result.stdout}{result.stderr}")
+        return result
+
+    def ssh(self, command: str, check: bool = True, timeout: float = 120, stdin: str = "") -> str:
+        """`command` run by sh as root on the drill host (ssh joins its arguments into one
+        line for the remote shell, so the command travels quoted as one word)."""
+        remote = "sudo sh -c " + shlex.quote(command)
+        result = self.cli("ssh", HOST, "--", remote, check=False, timeout=timeout, stdin=stdin)
+        if check and result.returncode != 0:
+            raise AssertionError(f"on {HOST}: {command}: rc {result.returncode}: {result.stderr}")
+        return result.stdout
+
+    def qemu_pid(self) -> int | None:
+        status = json.loads(self.cli("status", "--format", "json").stdout)
+        for row in status["hosts"]:
+            if row["host"] == HOST and row["alive"]:
+                return row["pid"]
+        return None
+
+    def playbook(self, playbook: str, *args: str, fault=None, timeout: float = 3600) -> Run:
+        """ansible-playbook PLAYBOOK ARGS against the drill host. `fault` is (pattern, action):
+        when a line of the output matches, action(proc) injects the fault once and returns a
+        description of what it did."""
+        self.runs += 1
+        argv = [
+            str(BIN / "ansible-playbook"),
+            "-i", str(REPO / "inventory/lab"),
+            "-i", str(self.state / "inventory.yml"),
+            playbook, "-l", HOST, *args,
+        ]  # fmt: skip
+        log = self.logs / f"run{self.runs:02d}-{Path(playbook).stem}.log"
+        start = time.monotonic()
+        faults: list[str] = []
+        lines: list[str] = []
+        with (
+            subprocess.Popen(
+                argv,
+                env=self.env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            ) as proc,
+            log.open("w") as out,
+        ):
+            out.write(" ".join(argv) + "\n")
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                out.write(line)
+                out.flush()
+                if fault and not faults and re.search(fault[0], line):
+                    faults.append(fault[1](proc))
+                    out.write(f"#### DRILL FAULT: {faults[-1]}\n")
+                if time.monotonic() - start > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    raise AssertionError(f"{playbook} ran past {timeout} s; log {log}")
+            returncode = proc.wait()
+        return Run(argv, returncode, "".join(lines), time.monotonic() - start, faults)
+
+    def drift(self) -> dict:
+        """The drift guard's own verdict on the host, checking only (no repair)."""
+        text = self.ssh("/usr/local/sbin/rtfleet-drift --check --json", check=False)
+        return json.loads(text)
+
+
+def kill_controller(proc: subprocess.Popen) -> str:
+    """SIGKILL to ansible-playbook and everything it started (its workers, ssh): a controller
+    that dies mid-task, not one that is asked to stop."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    return f"SIGKILL to ansible-playbook {proc.pid} and its process group"
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.fail("qemu-system-x86_64 is not installed: make deps")
+    logs = Path(os.environ.get("RTFLEET_DRILL_LOGS", REPO / ".logs" / "drills"))
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    state = tmp_path_factory.mktemp("drill-lab")
+    drills = Lab(state, logs)
+    drills.cli("image")
+    start = time.monotonic()
+    drills.cli("up", f"{HOST}={TOPOLOGY}", "--disk-cache", "writeback")
+    print(f"\n{HOST} ({TOPOLOGY}) up after {time.monotonic() - start:.0f} s")
+    try:
+        yield drills
+    finally:
+        drills.cli("down", "--all", check=False)
+        left = subprocess.run(
+            ["pgrep", "-f", str(state)], capture_output=True, text=True, check=False
+        )
+        assert left.stdout.strip() == "", f"QEMU left running after the drills: {left.stdout}"

@@ -1,0 +1,45 @@
+"""After `rtfleet.fleet.restore`: the host is as its original record says, and nothing of
+rtfleet is left on it. The record is the controller's copy restore kept
+(`reports/restore/<host>-original.json`, or $RTFLEET_RESTORE_RECORD_DIR); the comparison is
+rtfleet.fleet.host_original's, the one restore itself ends with:
+
+    pytest tests/infra/test_restored.py --sudo --hosts='ansible://epyc-node-01' \\
+        --ansible-inventory=inventory.yml
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+RECORD_DIR = Path(os.environ.get("RTFLEET_RESTORE_RECORD_DIR", "reports/restore"))
+
+
+@pytest.fixture
+def original(host):
+    name = host.backend.hostname
+    path = RECORD_DIR / f"{name}-original.json"
+    if not path.is_file():
+        pytest.skip(f"no restore record for {name} in {RECORD_DIR}: the host was not restored")
+    return json.loads(path.read_text())
+
+
+def test_the_host_is_as_it_was_before_rtfleet(host, original):
+    result = host.ansible(
+        "rtfleet.fleet.host_original",
+        {"state": "compared", "record": original, "path": "/nonexistent"},
+        check=False,
+        become=True,
+    )
+    assert not result.get("failed"), result.get("msg")
+    assert result["differences"] == []
+
+
+def test_nothing_of_rtfleet_is_left(host):
+    for path in ("/etc/rtfleet", "/var/lib/rtfleet", "/usr/local/lib/rtfleet", "/opt/shminfer"):
+        assert not host.file(path).exists, path
+    units = host.run("systemctl list-unit-files 'rtfleet*' 'shminfer*' --no-legend").stdout
+    assert units.strip() == "", units
