@@ -82,13 +82,36 @@ def read_sysctls(root, keys):
     return {k: _read(root, "proc/sys/" + k.replace(".", "/")) for k in sorted(keys)}
 
 
+def _irq_actions(root, irq):
+    base = os.path.join(root, "proc/irq", irq)
+    try:
+        return sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
+    except OSError:
+        return []
+
+
 def read_irqs(root):
-    irqs = {}
+    """IRQ affinities keyed by the handlers on each IRQ ("virtio0-input.0"), not by number:
+    the numbers move between boots (one more IRQ set up earlier shifts every later one), the
+    handlers' names do not. An IRQ without a handler keeps its number as its key."""
+    affinity, numbers = {}, {}
     for irq in _numbered(root, "proc/irq", ""):
         value = _read(root, "proc/irq/%s/smp_affinity_list" % irq)
-        if value is not None:
-            irqs[irq] = value
-    return {"default_smp_affinity": _read(root, "proc/irq/default_smp_affinity"), "affinity": irqs}
+        if value is None:
+            continue
+        key = ",".join(_irq_actions(root, irq)) or irq
+        if key in affinity:  # two IRQs of one handler name: told apart by their order
+            n = 2
+            while "%s#%d" % (key, n) in affinity:
+                n += 1
+            key = "%s#%d" % (key, n)
+        affinity[key] = value
+        numbers[key] = irq
+    return {
+        "default_smp_affinity": _read(root, "proc/irq/default_smp_affinity"),
+        "affinity": affinity,
+        "numbers": numbers,
+    }
 
 
 def read_governors(root):
@@ -241,7 +264,7 @@ def compare(record, live, rtfleet_packages=(), irqs_managed_by_irqbalance=None):
         )
     if not irqs_managed_by_irqbalance:
         was, now = record["irqs"]["affinity"], live["irqs"]["affinity"]
-        for irq in sorted(set(was) & set(now), key=int):
+        for irq in sorted(set(was) & set(now)):
             if was[irq] != now[irq]:
                 diffs.append("IRQ %s affinity: %s, originally %s" % (irq, now[irq], was[irq]))
     installed = packages_to_remove(record["packages"], live["packages"], rtfleet_packages)
@@ -309,11 +332,12 @@ def restore_live(root, record, check=False):
         )
         if err:
             skipped.append(err)
-    for irq, cpus in sorted(record["irqs"]["affinity"].items(), key=lambda kv: int(kv[0])):
-        now = live["irqs"]["affinity"].get(irq)
+    for key, cpus in sorted(record["irqs"]["affinity"].items()):
+        now = live["irqs"]["affinity"].get(key)
         if now is not None and now != cpus:
+            irq = live["irqs"]["numbers"][key]
             path = os.path.join(root, "proc/irq", irq, "smp_affinity_list")
-            err = _write(path, cpus, check, changed, "IRQ %s -> %s" % (irq, cpus))
+            err = _write(path, cpus, check, changed, "IRQ %s -> %s" % (key, cpus))
             if err:
                 skipped.append(err)
     return changed, skipped

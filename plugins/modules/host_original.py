@@ -162,6 +162,11 @@ def _write(module, path, record):
         fh.flush()
         os.fsync(fh.fileno())
     os.rename(tmp, path)  # a power loss leaves no record or the whole one, never half of it
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # and the rename itself reaches the disk before the first change
+    finally:
+        os.close(dir_fd)
 
 
 def _load(module, path, root):
