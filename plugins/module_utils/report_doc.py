@@ -3,8 +3,9 @@
 Every section of the report (report.py, report_containers.py, report_refused.py,
 report_drift.py) builds its content once, as a list of blocks; :func:`render_html` and
 :func:`render_markdown` turn the same blocks into report.html and report.md with the
-templates below. HTML is autoescaped; Markdown table cells have ``|`` and newlines
-escaped. Nothing a result file says reaches the page unescaped.
+templates below. HTML is autoescaped; in Markdown, text and table cells have what a viewer
+would act on backslash-escaped (HTML, emphasis, links, pipes) and newlines removed.
+Nothing a result file says reaches the page unescaped.
 
 Blocks (dicts with a ``kind``):
 
@@ -80,13 +81,19 @@ def image(src, alt):
     return {"kind": "image", "src": str(src), "alt": str(alt)}
 
 
-def _md_cell(value):
-    text = value["text"] if isinstance(value, dict) else value
-    return str(text).replace("|", "\\|").replace("\n", " ")
+# What a Markdown viewer would act on in a host's string: HTML tags and entities (< &),
+# emphasis, links and images, code spans, table pipes. CommonMark renders any of them
+# literally behind a backslash. (">" acts only at a line's start, where no string lands.)
+_MD_ACTIVE = "\\`*_[]<&|~"
 
 
 def _md_text(value):
-    return str(value).replace("\n", " ")
+    text = str(value).replace("\n", " ")
+    return "".join("\\" + c if c in _MD_ACTIVE else c for c in text)
+
+
+def _md_cell(value):
+    return _md_text(value["text"] if isinstance(value, dict) else value)
 
 
 def _md_code(value):

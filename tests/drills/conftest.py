@@ -72,12 +72,13 @@ class Lab:
         self.runs = 0
 
     def cli(
-        self, *args: str, check: bool = True, timeout: float = 1800
+        self, *args: str, check: bool = True, timeout: float = 1800, stdin: str = ""
     ) -> subprocess.CompletedProcess:
         result = subprocess.run(
             [str(BIN / "rtfleet"), "lab", *args],
             env=self.env,
             cwd=REPO,
+            input=stdin,
             capture_output=True,
             text=True,
             timeout=timeout,

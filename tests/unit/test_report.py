@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -337,7 +338,7 @@ def test_rescue_path_writes_the_report_once_per_batch():
     import yaml
 
     play = yaml.safe_load((REPO / "playbooks/rollout.yml").read_text())[-1]
-    rescue = play["tasks"][0]["rescue"]
+    rescue = next(t for t in play["tasks"] if t["name"] == "Migrate this host")["rescue"]
     report = next(t for t in rescue if t.get("ansible.builtin.include_role", {}).get("tasks_from"))
     assert report.get("run_once") is True
 
@@ -505,4 +506,8 @@ def test_hostile_strings_in_a_result_are_escaped_in_html_and_markdown(tmp_path):
     # the check's own table row: both cells on one line, every | inside them escaped
     assert any(line.count(" | ") == 2 and "\\|" in line for line in rows), rows
     assert "\nsecond line" not in markdown  # a newline in a string cannot end a row
+    # outside code spans no tag reaches a Markdown viewer unescaped (it would render it)
+    outside_code = re.sub(r"(?<!\\)`[^`\n]*(?<!\\)`", "", markdown)
+    assert not re.search(r"(?<!\\)<(script|img|/script)", outside_code)
+    assert "\\<script>alert(1)\\</script>" in markdown
     assert "- cmdline: `quiet 'rm -rf /' <b>`" in markdown
