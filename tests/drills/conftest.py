@@ -12,6 +12,7 @@ only be injected by a process that watches the run from outside, which Molecule'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -135,16 +136,20 @@ class Lab:
         ):
             out.write(" ".join(argv) + "\n")
             assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                out.write(line)
-                out.flush()
-                if fault and not faults and re.search(fault[0], line):
-                    faults.append(fault[1](proc))
-                    out.write(f"#### DRILL FAULT: {faults[-1]}\n")
-                if time.monotonic() - start > timeout:
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    out.write(line)
+                    out.flush()
+                    if fault and not faults and re.search(fault[0], line):
+                        faults.append(fault[1](proc))
+                        out.write(f"#### DRILL FAULT: {faults[-1]}\n")
+                    if time.monotonic() - start > timeout:
+                        raise AssertionError(f"{playbook} ran past {timeout} s; log {log}")
+            except BaseException:  # a timeout, or the drills interrupted: no run left behind
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                    raise AssertionError(f"{playbook} ran past {timeout} s; log {log}")
+                raise
             returncode = proc.wait()
         return Run(argv, returncode, "".join(lines), time.monotonic() - start, faults)
 
@@ -179,6 +184,6 @@ def lab(tmp_path_factory):
     finally:
         drills.cli("down", "--all", check=False)
         left = subprocess.run(
-            ["pgrep", "-f", str(state)], capture_output=True, text=True, check=False
+            ["pgrep", "-f", f"qemu-system.*{state}"], capture_output=True, text=True, check=False
         )
         assert left.stdout.strip() == "", f"QEMU left running after the drills: {left.stdout}"
