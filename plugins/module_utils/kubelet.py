@@ -482,9 +482,15 @@ def config_target(version, mode):
 # ------------------------------------------------------------------ rendering
 
 
-# kubelet's evictionHard memory.available when the config names none (pkg/kubelet/apis/
-# config/v1beta1 defaults): the Static Memory Manager counts it in the reservation all the same.
+# kubelet's evictionHard defaulting (cmd/kubelet/app/server.go loadConfigFile): a main config
+# file without evictionHard gets DefaultEvictionHard, whose memory.available is 100Mi on Linux
+# (pkg/kubelet/eviction/defaults_linux.go); a map that is there, even empty, is kept as it is,
+# unless mergeDefaultEvictionSettings is true (a field from 1.33; older kubelets decode it
+# leniently and ignore it), which fills in the default signals it lacks. Drop-ins are merged
+# over the main file as loaded, key by key. The Static Memory Manager counts memory.available
+# in the reservation only when it is there.
 DEFAULT_EVICTION_MEMORY = "100Mi"
+MERGE_DEFAULT_EVICTION = (1, 33)
 
 
 def _numa_nodes(topology):
@@ -507,38 +513,52 @@ def _reservable_nodes(topology):
     ]
 
 
-def _eviction_memory(config):
-    """evictionHard memory.available as kubelet applies it (its default when absent)."""
-    eviction = config.get("evictionHard") or {}
-    value = eviction.get("memory.available")
-    return DEFAULT_EVICTION_MEMORY if value is None else value
+def _eviction_memory(config, version, base=None):
+    """evictionHard memory.available as kubelet applies it, None when it applies none.
+
+    ``config`` is kubelet's main config file, or, when ``base`` (the main file) is given, a
+    drop-in (possibly already merged over ``base``).
+    """
+    main = config if base is None else base
+    eviction = main.get("evictionHard")
+    if eviction is None:
+        eviction = {"memory.available": DEFAULT_EVICTION_MEMORY}
+    elif version >= MERGE_DEFAULT_EVICTION and main.get("mergeDefaultEvictionSettings") is True:
+        eviction = merge({"memory.available": DEFAULT_EVICTION_MEMORY}, eviction)
+    if base is not None:
+        eviction = merge(eviction, config.get("evictionHard") or {})
+    return eviction.get("memory.available")
 
 
-def _memory_reservation_total(config):
+def _is_percentage(eviction):
+    return eviction is not None and str(eviction).strip().endswith("%")
+
+
+def _memory_reservation_total(config, version, base=None):
     """Per resource (memory, hugepages-*): kubeReserved + systemReserved + evictionHard."""
     totals = {}
     for section in ("kubeReserved", "systemReserved"):
         for name, value in (config.get(section) or {}).items():
             if name == "memory" or _HUGEPAGES.match(name):
                 totals[name] = totals.get(name, Fraction(0)) + parse_quantity(value)
-    eviction = _eviction_memory(config)
-    if not str(eviction).strip().endswith("%"):
+    eviction = _eviction_memory(config, version, base)
+    if eviction is not None and not _is_percentage(eviction):
         totals["memory"] = totals.get("memory", Fraction(0)) + parse_quantity(eviction)
     return totals
 
 
-def _auto_reserved_memory(config, topology):
+def _auto_reserved_memory(config, topology, version, base=None):
     """Split each reserved memory type evenly over the NUMA nodes (node 0 takes the rest)."""
     nodes = [n["id"] for n in _reservable_nodes(topology)] or [0]
-    eviction = str(_eviction_memory(config)).strip()
-    if eviction.endswith("%"):
+    eviction = _eviction_memory(config, version, base)
+    if _is_percentage(eviction):
         raise KubeletConfigError(
             "evictionHard memory.available is %s (a percentage), but the Static Memory Manager "
             "needs reservedMemory to sum to an exact amount: give eviction_hard "
-            'memory.available an absolute quantity such as "500Mi"' % eviction
+            'memory.available an absolute quantity such as "500Mi"' % str(eviction).strip()
         )
     try:
-        totals = _memory_reservation_total(config)
+        totals = _memory_reservation_total(config, version, base)
     except ValueError as exc:
         raise KubeletConfigError("kube_reserved/system_reserved/eviction_hard: %s" % exc) from None
     per_node = {node: {} for node in nodes}
@@ -564,9 +584,10 @@ def _auto_reserved_memory(config, topology):
     return [{"numaNode": node, "limits": per_node[node]} for node in nodes if per_node[node]]
 
 
-def render(plan, topology, settings):
+def render(plan, topology, settings, base_config=None):
     """The KubeletConfiguration fragment and the feature gates it needs.
 
+    ``base_config`` is kubelet's main config file (None: the fragment is the whole file).
     Returns (config, warnings). Raises KubeletConfigError for settings that cannot be
     rendered at all; :func:`validate` checks the result.
     """
@@ -632,7 +653,11 @@ def render(plan, topology, settings):
             config[section] = {k: str(v) for k, v in settings[key].items()}
     if settings["memory_manager_policy"] == "Static":
         if settings["reserved_memory"] == "auto":
-            config["reservedMemory"] = _auto_reserved_memory(config, topology)
+            # What kubelet will load: the main file rtfleet rewrites, or its drop-in over it.
+            view = merge(base_config or {}, merge(config, settings["extra"]))
+            dropin = base_config is not None and config_target(version, settings["config_mode"])[0]
+            base = base_config if dropin else None
+            config["reservedMemory"] = _auto_reserved_memory(view, topology, version, base)
         else:
             config["reservedMemory"] = copy.deepcopy(settings["reserved_memory"])
     gates = {}
@@ -735,8 +760,12 @@ def _truthy(options, name):
     return options.get(name) in ("1", "t", "T", "TRUE", "true", "True")
 
 
-def validate(config, topology, settings, plan=None):
-    """Errors (strings, each saying what to change) for the effective kubelet config."""
+def validate(config, topology, settings, plan=None, base_config=None):
+    """Errors (strings, each saying what to change) for the effective kubelet config.
+
+    ``base_config`` is kubelet's main config file when ``config`` is a drop-in merged over it
+    (None: ``config`` is the main file).
+    """
     errors = []
     version = parse_version(settings["kubelet_version"])
     if version < MIN_VERSION:
@@ -911,11 +940,11 @@ def validate(config, topology, settings, plan=None):
                     % ((len(nodes), cpuless, *version))
                 )
 
-    errors.extend(_validate_memory(config, topology, node_ids))
+    errors.extend(_validate_memory(config, topology, node_ids, version, base_config))
     return errors
 
 
-def _validate_memory(config, topology, node_ids):
+def _validate_memory(config, topology, node_ids, version, base=None):
     errors = []
     policy = config.get("memoryManagerPolicy", "None")
     if policy not in MEMORY_POLICIES:
@@ -975,16 +1004,16 @@ def _validate_memory(config, topology, node_ids):
                 per_node_bytes[node] = per_node_bytes.get(node, Fraction(0)) + amount
     if policy != "Static":
         return errors
-    eviction = str(_eviction_memory(config)).strip()
-    if eviction.endswith("%"):
+    eviction = _eviction_memory(config, version, base)
+    if _is_percentage(eviction):
         errors.append(
             "evictionHard memory.available is %s (a percentage); the Static Memory Manager needs "
             "reservedMemory to equal kubeReserved + systemReserved + evictionHard exactly: give "
-            "an absolute quantity" % eviction
+            "an absolute quantity" % str(eviction).strip()
         )
         return errors
     try:
-        expected = _memory_reservation_total(config)
+        expected = _memory_reservation_total(config, version, base)
     except ValueError as exc:
         errors.append("kubeReserved/systemReserved/evictionHard: %s" % exc)
         return errors
@@ -1171,11 +1200,11 @@ def build(
     settings = normalize_settings(settings)
     version = parse_version(settings["kubelet_version"])
     use_dropin, warnings = config_target(version, settings["config_mode"])
-    fragment, render_warnings = render(plan, topology, settings)
-    warnings += render_warnings
     base = base_config or {}
+    fragment, render_warnings = render(plan, topology, settings, base_config=base)
+    warnings += render_warnings
     effective = merge(base, fragment)
-    errors = validate(effective, topology, settings, plan)
+    errors = validate(effective, topology, settings, plan, base_config=base if use_dropin else None)
     if errors:
         raise KubeletConfigError(
             "kubelet configuration refused (%d problem%s), nothing was changed:\n- %s"

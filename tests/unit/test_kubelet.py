@@ -775,24 +775,165 @@ def test_reserved_cpus_kubelet_parses_are_accepted(epyc):
     assert kubelet.parse_cpuset("") == [] and kubelet.parse_cpuset("3-3,1") == [1, 3]
 
 
-def test_empty_eviction_hard_counts_kubelets_100mi_default(epyc):
-    """evictionHard {} (or no memory.available): kubelet still evicts at 100Mi, and the
-    Static Memory Manager wants reservedMemory == kubeReserved + systemReserved + 100Mi."""
-    for eviction in ({}, {"nodefs.available": "10%"}):
-        result = _build(epyc, eviction_hard=eviction)
-        total = sum(
-            kubelet.parse_quantity(e["limits"]["memory"])
-            for e in result["config"]["reservedMemory"]
-        )
-        assert total == 1024 * 2**20 + 100 * 2**20  # 512Mi + 512Mi + 100Mi
+# ------------------------------------------------------------------ evictionHard defaulting
+#
+# kubelet's source, kubernetes/kubernetes at a97c6a70451b9c3c9665235f5bd322895a895706 (PR #127577
+# "Added the MergeDefaultEvictionSettings Kubelet Config", first released in v1.33.0):
+#
+# * cmd/kubelet/app/server.go, loadConfigFile (the main --config file, after decoding):
+#       if kc.EvictionHard == nil {
+#           kc.EvictionHard = eviction.DefaultEvictionHard
+#       } else if kc.MergeDefaultEvictionSettings {
+#           for k, v := range eviction.DefaultEvictionHard {
+#               if _, exists := kc.EvictionHard[k]; !exists { kc.EvictionHard[k] = v }
+#           }
+#       }
+#   so only an absent (nil) map gets the defaults; an empty map stays empty and a partial map
+#   keeps only its own signals. Before 1.33 the function is the same without the else branch
+#   (its comment cites PR #110263, which took the EvictionHard default out of
+#   SetDefaults_KubeletConfiguration in pkg/kubelet/apis/config/v1beta1/defaults.go).
+# * same file, mergeKubeletConfigurations (--config-dir): each drop-in is applied with
+#   jsonpatch.MergePatch over the main file as loadConfigFile left it (maps merge key by key),
+#   then SetDefaults_KubeletConfiguration runs, which does not touch EvictionHard: a drop-in's
+#   partial map adds to the main file's defaults, and a drop-in's mergeDefaultEvictionSettings
+#   comes too late to merge anything.
+# * pkg/kubelet/eviction/defaults_linux.go: DefaultEvictionHard["memory.available"] = "100Mi".
+# * staging/src/k8s.io/kubelet/config/v1beta1/types.go: MergeDefaultEvictionSettings *bool
+#   `json:"mergeDefaultEvictionSettings,omitempty"` is in k8s.io/kubelet v0.33.0 (Kubernetes
+#   1.33.0), not in v0.32.0. An older kubelet decodes the unknown field leniently and ignores it
+#   (pkg/kubelet/kubeletconfig/util/codec/codec.go, DecodeKubeletConfiguration: "Using lenient
+#   decoding as strict decoding failed"), and rtfleet passes unknown keys through, so the flag
+#   is ignored there, not refused.
+# * pkg/kubelet/cm/node_container_manager_linux.go, hardEvictionReservation: only a
+#   memory.available threshold that is there reserves memory; pkg/kubelet/cm/memorymanager/
+#   memory_manager.go, validateReservedMemory: the Static policy refuses to start unless the
+#   reservedMemory sum equals that Node Allocatable reservation ("the total amount ... is not
+#   equal to the value ... determined by Node Allocatable feature").
+
+KUBE_AND_SYSTEM = 1024 * 2**20  # kube_reserved 512Mi + system_reserved 512Mi (the defaults)
+DEFAULT_EVICTION = 100 * 2**20
+
+
+def _reserved_memory_total(result):
+    return sum(
+        kubelet.parse_quantity(entry["limits"]["memory"])
+        for entry in result["config"]["reservedMemory"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "eviction_hard", "extra", "counted"),
+    [
+        # absent: kubelet fills in DefaultEvictionHard
+        ("1.34", {}, None, DEFAULT_EVICTION),
+        ("1.29", {}, None, DEFAULT_EVICTION),
+        # an explicitly empty map stays empty
+        ("1.34", {}, {"evictionHard": {}}, 0),
+        # a partial map keeps only its own signals
+        ("1.34", {"nodefs.available": "10%"}, None, 0),
+        ("1.29", {"nodefs.available": "10%"}, None, 0),
+        ("1.34", {"memory.available": "200Mi"}, None, 200 * 2**20),
+        # mergeDefaultEvictionSettings fills in the missing defaults from 1.33 on
+        (
+            "1.33",
+            {"nodefs.available": "10%"},
+            {"mergeDefaultEvictionSettings": True},
+            DEFAULT_EVICTION,
+        ),
+        ("1.34", {}, {"evictionHard": {}, "mergeDefaultEvictionSettings": True}, DEFAULT_EVICTION),
+        (
+            "1.34",
+            {"memory.available": "200Mi"},
+            {"mergeDefaultEvictionSettings": True},
+            200 * 2**20,
+        ),
+        ("1.34", {"nodefs.available": "10%"}, {"mergeDefaultEvictionSettings": False}, 0),
+        # ... and kubelet 1.32 does not know the field: ignored
+        ("1.32", {"nodefs.available": "10%"}, {"mergeDefaultEvictionSettings": True}, 0),
+    ],
+)
+def test_main_file_eviction_hard_is_defaulted_as_kubelet_does(
+    epyc, version, eviction_hard, extra, counted
+):
+    """rtfleet writes the whole main file: reservedMemory counts memory.available exactly as
+    kubelet's loadConfigFile leaves it (see the sources above)."""
+    settings = {"kubelet_version": version, "config_mode": "main", "eviction_hard": eviction_hard}
+    if extra is not None:
+        settings["extra"] = extra
+    result = _build(epyc, **settings)
+    assert not result["dropin"]
+    assert _reserved_memory_total(result) == KUBE_AND_SYSTEM + counted
+
+
+@pytest.mark.parametrize(
+    ("version", "base", "settings", "counted"),
+    [
+        # the main file has no evictionHard: kubelet defaults it, the drop-in adds its keys
+        ("1.34", {}, {"eviction_hard": {}}, DEFAULT_EVICTION),
+        ("1.34", {}, {"eviction_hard": {"nodefs.available": "10%"}}, DEFAULT_EVICTION),
+        (
+            "1.30",
+            {"cgroupDriver": "systemd"},
+            {"eviction_hard": {"nodefs.available": "10%"}},
+            DEFAULT_EVICTION,
+        ),
+        # the main file's empty or partial map is kept; the drop-in adds no memory.available
+        ("1.34", {"evictionHard": {}}, {"eviction_hard": {}}, 0),
+        ("1.34", {"evictionHard": {"nodefs.available": "10%"}}, {"eviction_hard": {}}, 0),
+        ("1.34", {"evictionHard": {}}, {"eviction_hard": {"imagefs.available": "15%"}}, 0),
+        # the drop-in's own memory.available wins over the main file's
+        ("1.34", {"evictionHard": {"memory.available": "1Gi"}}, {"eviction_hard": {}}, 2**30),
+        ("1.34", {}, {"eviction_hard": {"memory.available": "300Mi"}}, 300 * 2**20),
+        # the main file's mergeDefaultEvictionSettings merges the defaults (1.33+) ...
+        (
+            "1.34",
+            {"evictionHard": {"nodefs.available": "10%"}, "mergeDefaultEvictionSettings": True},
+            {"eviction_hard": {}},
+            DEFAULT_EVICTION,
+        ),
+        (
+            "1.32",
+            {"evictionHard": {"nodefs.available": "10%"}, "mergeDefaultEvictionSettings": True},
+            {"eviction_hard": {}},
+            0,
+        ),
+        # ... the drop-in's comes after loadConfigFile and merges nothing
+        (
+            "1.34",
+            {"evictionHard": {"nodefs.available": "10%"}},
+            {"eviction_hard": {}, "extra": {"mergeDefaultEvictionSettings": True}},
+            0,
+        ),
+    ],
+)
+def test_dropin_eviction_hard_merges_over_the_defaulted_main_file(
+    epyc, version, base, settings, counted
+):
+    topology, plan = epyc
+    settings = dict(settings, kubelet_version=version)
+    result = kubelet.build(plan, topology, settings, base_config=base)
+    assert result["dropin"]
+    assert _reserved_memory_total(result) == KUBE_AND_SYSTEM + counted
+
+
+def test_reserved_memory_that_counts_a_default_kubelet_does_not_apply_is_refused(epyc):
+    """A partial evictionHard in the main file: kubelet's Static Memory Manager wants
+    reservedMemory == kubeReserved + systemReserved (1Gi) and refuses 1Gi + 100Mi."""
     topology, _ = epyc
     nodes = [n["id"] for n in topology["numa_nodes"]]
-    without_default = [{"numaNode": n, "limits": {"memory": "256Mi"}} for n in nodes]
-    errors = _errors(epyc, eviction_hard={}, reserved_memory=without_default)
-    assert any("adds up to 1Gi" in e and "is 1124Mi" in e for e in errors), errors
-    with_default = copy.deepcopy(without_default)
+    exact = [{"numaNode": n, "limits": {"memory": "256Mi"}} for n in nodes]
+    with_default = copy.deepcopy(exact)
     with_default[0]["limits"]["memory"] = "356Mi"
+    partial = {"nodefs.available": "10%"}
+    errors = _errors(epyc, eviction_hard=partial, reserved_memory=with_default)
+    assert any("adds up to 1124Mi" in e and "is 1Gi" in e for e in errors), errors
+    assert not _errors(epyc, eviction_hard=partial, reserved_memory=exact)
+    # absent: the 100Mi default is counted
+    errors = _errors(epyc, eviction_hard={}, reserved_memory=exact)
+    assert any("adds up to 1Gi" in e and "is 1124Mi" in e for e in errors), errors
     assert not _errors(epyc, eviction_hard={}, reserved_memory=with_default)
+    # an explicitly empty map: nothing is counted
+    assert not _errors(epyc, eviction_hard={}, extra={"evictionHard": {}}, reserved_memory=exact)
 
 
 def _with_cxl_nodes(topology, cpu_nodes=8, cxl=2):
