@@ -3,8 +3,10 @@
 # checkout, install the built rtfleet.fleet tarball, list its modules and roles with
 # ansible-doc, and run `ansible-playbook -i <their inventory> rtfleet.fleet.assess` against a
 # lab host booted for the purpose, with an inventory and ansible.cfg of that directory's own.
-# Also syntax-checks rtfleet.fleet.site there. Uses the checkout only to build the tarball and
-# to boot the lab host (`rtfleet lab`, its own state directory).
+# Also syntax-checks rtfleet.fleet.site there, and runs the README's verify suite
+# (tests/infra) from the installed copy in a clean venv with only requirements.txt: it
+# collects, and its host-free tests pass. Uses the checkout only to build the tarball and to
+# boot the lab host (`rtfleet lab`, its own state directory).
 #
 # COLLECTION_TOPOLOGY picks the lab host (default epyc-2ccx: 8 vCPUs, 2 NUMA nodes, 2 L3
 # groups); COLLECTION_KEEP=1 keeps the directory for a look afterwards.
@@ -65,6 +67,18 @@ done
 doc_path=$("$bin/ansible-doc" rtfleet.fleet.cpu_topology | head -1)
 grep -q "$work/user/collections/ansible_collections/rtfleet/fleet/" <<<"$doc_path" \
     || fail "rtfleet.fleet.cpu_topology resolves outside ./collections: $doc_path"
+
+# The README's verify step from the installed copy, in a clean Python that has only the
+# collection's requirements.txt (the README's install step; not the checkout's venv, not
+# the rtfleet package): the testinfra suite collects, and its host-free tests pass.
+installed=$work/user/collections/ansible_collections/rtfleet/fleet
+python3 -m venv "$work/verify-venv"
+"$work/verify-venv/bin/python" -m pip install --quiet -r "$installed/requirements.txt"
+verify=("$work/verify-venv/bin/python" -m pytest "$installed/tests/infra" -p no:cacheprovider)
+"${verify[@]}" --collect-only -q >verify-collect.log 2>&1 \
+    || { cat verify-collect.log; fail "tests/infra does not collect from the installed collection"; }
+tail -1 verify-collect.log
+"${verify[@]}" -m hostfree -q || fail "tests/infra's host-free tests fail from the installed collection"
 
 "$bin/rtfleet" lab up "coll1=$topology"
 # Their inventory: one node, by address, port, user and key, as any inventory has them.

@@ -19,7 +19,10 @@ import os
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rtfleet.topology import format_cpulist, parse_cpulist
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+    format_cpulist,
+    parse_cpulist,
+)
 
 GUARD = "/usr/local/sbin/rtfleet-drift"
 DRILL = os.environ.get("RTFLEET_DRIFT_DRILL") == "1"

@@ -1,9 +1,9 @@
 """After rollout: the host runs the verified kernel, command line and runtime settings.
 
 Everything is read from the running host (/proc, /sys, GRUB's files) and compared with
-what the rtfleet_host role recorded in /etc/rtfleet/{plan,host}.json, with rtfleet's own
-parsers (rtfleet.boot, rtfleet.topology) doing the reading on the controller. Run with
---sudo: GRUB's menu is readable by root only.
+what the rtfleet_host role recorded in /etc/rtfleet/{plan,host}.json, with the collection's
+own parsers (module_utils boot and topology, which the modules run) doing the reading on the
+controller. Run with --sudo: GRUB's menu is readable by root only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 
 from rtfleet_infra import read_files
 
-from rtfleet.boot import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.boot import (
     HUGEPAGE_KB,
     isolation_expected,
     kernel_entry,
@@ -20,7 +20,7 @@ from rtfleet.boot import (
     parse_grubenv,
     split_cmdline,
 )
-from rtfleet.topology import parse_cpulist
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import parse_cpulist
 
 _BOOT = (
     "/proc/sys/kernel/osrelease",

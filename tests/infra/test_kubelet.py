@@ -1,7 +1,8 @@
 """Kubelet checks for operators, after rtfleet_kubelet ran (Molecule's verify runs them too).
 
-    pytest tests/infra/test_kubelet.py --hosts='ansible://inference_nodes' --sudo \
-        --ansible-inventory=inventory/prod
+    infra=~/.ansible/collections/ansible_collections/rtfleet/fleet/tests/infra
+    python3 -m pytest $infra/test_kubelet.py --hosts='ansible://inference_nodes' --sudo \
+        --ansible-inventory=inventory.yml
 
 What must hold on every node: the configuration kubelet reads gives it the static CPU
 Manager with exactly the plan's reserved CPUs (housekeeping + runtime), so the pod pool
@@ -19,7 +20,10 @@ import os
 import pytest
 import yaml
 
-from rtfleet.topology import format_cpulist, parse_cpulist
+from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+    format_cpulist,
+    parse_cpulist,
+)
 
 DROPIN = "/etc/kubernetes/kubelet.conf.d/90-rtfleet.conf"
 MAIN_CONFIG = "/var/lib/kubelet/config.yaml"

@@ -3,7 +3,8 @@ rtfleet is left on it. The record is the controller's copy restore kept
 (`reports/restore/<host>-original.json`, or $RTFLEET_RESTORE_RECORD_DIR); the comparison is
 rtfleet.fleet.host_original's, the one restore itself ends with:
 
-    pytest tests/infra/test_restored.py --sudo --hosts='ansible://epyc-node-01' \\
+    infra=~/.ansible/collections/ansible_collections/rtfleet/fleet/tests/infra
+    python3 -m pytest $infra/test_restored.py --sudo --hosts='ansible://epyc-node-01' \\
         --ansible-inventory=inventory.yml
 """
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -510,10 +511,107 @@ def test_a_segment_larger_than_memory_is_a_clear_error_not_a_sigbus():
         request_bytes=1 << 30,
         response_bytes=1 << 30,
     )
-    with pytest.raises(QueueError, match=r"memory available|cannot allocate"):
+    # The MemAvailable check refuses it before any memory is touched (posix_fallocate's
+    # own failure is the next test's).
+    with pytest.raises(QueueError, match=r"more than the \d+ bytes of memory available"):
         server.start()
     assert not os.path.exists(registry_path(name))
     assert not os.path.exists(socket_path(name))
+
+
+def _mountpoint(fstype, option=None):
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        for line in handle:
+            fields = line.split()
+            tail = fields[fields.index("-") + 1 :]
+            if tail[0] == fstype and (option is None or option in tail[2].split(",")):
+                return fields[4]
+    return None
+
+
+@contextlib.contextmanager
+def _memory_cgroup(limit):
+    """(cgroup.procs of a new memory cgroup limited to ``limit`` bytes, whether a process
+    must make itself unkillable for an allocation over the limit to fail, not be killed).
+
+    cgroup v1 (as this lab's machines have it): the limit and oom_kill_disable, so an
+    allocation over the limit outside a page fault fails with ENOMEM. cgroup v2 has no
+    oom_kill_disable: its OOM killer finds no victim in a cgroup whose only process has
+    oom_score_adj -1000, and the allocation fails the same way."""
+    name = f"shminfer-test-{uuid.uuid4().hex[:8]}"
+    v1 = _mountpoint("cgroup", "memory")
+    v2 = _mountpoint("cgroup2")
+    if v1:
+        path = os.path.join(v1, name)
+        settings = {"memory.limit_in_bytes": limit, "memory.oom_control": 1}
+        unkillable = False
+    elif v2 and "memory" in Path(v2, "cgroup.subtree_control").read_text().split():
+        path = os.path.join(v2, name)
+        settings = {"memory.max": limit, "memory.swap.max": 0}
+        unkillable = True
+    else:
+        pytest.skip("no memory cgroup controller to limit a process with")
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup: {exc}")
+    try:
+        for key, value in settings.items():
+            if os.path.exists(os.path.join(path, key)):
+                with open(os.path.join(path, key), "w") as handle:
+                    handle.write(str(value))
+            elif key == "memory.oom_control":  # deprecated in v1: gone from a later kernel
+                unkillable = True
+        yield os.path.join(path, "cgroup.procs"), unkillable
+    finally:
+        os.rmdir(path)
+
+
+_CREATE_IN_CGROUP = """
+import os, sys
+from shminfer.queue import QueueError, Segment, _mem_available
+procs, unkillable = sys.argv[1], sys.argv[2] == "1"
+if unkillable:
+    with open("/proc/self/oom_score_adj", "w") as handle:
+        handle.write("-1000")
+    with open("/proc/self/oom_score_adj") as handle:
+        if handle.read().strip() != "-1000":
+            sys.exit("SKIP: oom_score_adj -1000 does not hold here")
+with open(procs, "w") as handle:  # after the imports: only the segment counts in there
+    handle.write(str(os.getpid()))
+try:
+    Segment.create("falloc", slot_count=64, request_bytes=1 << 20, response_bytes=1 << 20)
+except QueueError as exc:
+    print("refused", _mem_available(), exc)
+else:
+    print("created")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a memory cgroup")
+def test_a_segment_its_cgroup_cannot_hold_fails_at_posix_fallocate_not_later():
+    """The host has the memory (MemAvailable lets the segment through) but the unit's
+    MemoryMax= (a memory cgroup's limit) has not: posix_fallocate fails, and the error says
+    so and what to lower, at start, not a SIGBUS at a first touch later."""
+    limit = 32 << 20  # the segment: 64 slots x (1 MiB + 1 MiB) + the ring, ~129 MiB
+    with _memory_cgroup(limit) as (procs, unkillable):
+        run = subprocess.run(
+            [sys.executable, "-c", _CREATE_IN_CGROUP, procs, "1" if unkillable else "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    if run.stderr.startswith("SKIP: "):
+        pytest.skip(run.stderr.strip()[6:])
+    # Killed (-9) would be the OOM killer: the allocation did not fail, it was not let fail.
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    outcome, available, message = [*run.stdout.strip().split(" ", 2), "", ""][:3]
+    assert outcome == "refused", f"a segment over its cgroup's limit: {run.stdout}"
+    assert int(available) > 4 * (129 << 20), "MemAvailable would refuse it first"
+    assert "cannot allocate" in message and "(Cannot allocate memory)" in message, message
+    assert "memory available" not in message, message
+    assert "lower --slots, --request-bytes or --response-bytes" in message, message
 
 
 # ---------------------------------------------------------------- 4: registry and names

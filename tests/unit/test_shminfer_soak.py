@@ -15,6 +15,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 
 from shminfer.client import Client
 from shminfer.server import Server
@@ -29,29 +30,34 @@ from shminfer.client import Client, InferenceError
 from shminfer.codec import PayloadError
 from shminfer.queue import QueueError
 name, n, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-seen = {}
+first = tag * 100_000  # request seq sends x = first + seq; the echo answers y = x, twice
+received = []  # per request, what it got: "ok" (its own answer), "WRONG", "error", "GARBLED"
+delivered = [0] * n  # per request, how many answers carrying its values came (to any request)
 timeouts = 0
 timeout_s = 0.0
 c = Client(name, timeout=5, slots_per_worker=3)
 c.wait_ready(60)
 started = time.monotonic()
 for seq in range(n):
-    value = float(tag * 100_000 + seq)
+    value = float(first + seq)
     t0 = time.monotonic()
     try:
         y = c.infer({"x": np.full((1, 32), value, np.float64)})["y"]
-        ok = y.shape == (1, 64) and bool(np.all(y == value))
-        seen[seq] = seen.get(seq, []) + ["ok" if ok else "WRONG"]
+        uniform = y.shape == (1, 64) and bool(np.all(y == y.flat[0]))
+        owner = float(y.flat[0]) - first if uniform else -1.0
+        if owner.is_integer() and 0 <= owner < n:
+            delivered[int(owner)] += 1
+        received.append("ok" if owner == seq else "WRONG")
     except (InferenceError, TimeoutError, QueueError) as exc:
         if isinstance(exc, TimeoutError):  # e.g. a peer scribbled PROCESSING over our state
             timeouts += 1
             timeout_s += time.monotonic() - t0
         text = str(exc)
         clear = text.isprintable() and 0 < len(text) <= 2048
-        seen[seq] = seen.get(seq, []) + ["error" if clear else "GARBLED"]
+        received.append("error" if clear else "GARBLED")
 c.close()
-print(json.dumps({"seen": seen, "path": _sys.IMPLEMENTATION, "timeouts": timeouts,
-                  "timeout_s": round(timeout_s, 1),
+print(json.dumps({"received": received, "delivered": delivered, "path": _sys.IMPLEMENTATION,
+                  "timeouts": timeouts, "timeout_s": round(timeout_s, 1),
                   "elapsed_s": round(time.monotonic() - started, 1)}))
 """
 # Each request timeout costs the honest client its full 5 s (a scribbled PROCESSING state
@@ -91,6 +97,57 @@ while time.monotonic() < until:
         seg.ring_doorbell()
     time.sleep(0.02)
 """
+
+
+def _check_outcomes(report, n):
+    """An honest client's report (see _HONEST): each of its n requests got exactly its own
+    answer or a clear error. Every check is made and every one that fails is named (one
+    failure implies others: a request given another's answer has lost its own, say)."""
+    received, delivered = report["received"], report["delivered"]
+    assert len(received) == len(delivered) == n, (len(received), len(delivered))
+    errors = ("error", "GARBLED")
+    problems = {
+        "vanished (no answer of theirs came, no error)": [
+            seq for seq in range(n) if delivered[seq] == 0 and received[seq] not in errors
+        ],
+        "answered twice": [seq for seq in range(n) if delivered[seq] > 1],
+        "given another request's answer": [seq for seq in range(n) if received[seq] == "WRONG"],
+        "an error not in clear text": [seq for seq in range(n) if received[seq] == "GARBLED"],
+    }
+    found = {check: seqs[:10] for check, seqs in problems.items() if seqs}
+    assert not found, f"an honest client's requests: {found}"
+    assert received.count("ok") >= n // 4, received.count("ok")
+
+
+def test_the_soak_checks_catch_what_they_name():
+    """Each check of _check_outcomes fails on a report of what it names, and only then."""
+    ok = ["ok"] * 8
+    _check_outcomes({"received": ok, "delivered": [1] * 8}, 8)
+    # A timeout whose answer never came is a clear error, not a vanished request.
+    _check_outcomes({"received": ["error", *ok[1:]], "delivered": [0, *[1] * 7]}, 8)
+    vanished, twice, wrong, garbled = (
+        "vanished",
+        "answered twice",
+        "another request's answer",
+        "not in clear text",
+    )
+    cases = [
+        # request 3 was given request 2's answer (a stale slot): 2's came twice, 3's never
+        (["ok"] * 3 + ["WRONG"] + ["ok"] * 4, [1, 1, 2, 0, 1, 1, 1, 1], {vanished, twice, wrong}),
+        # request 5 timed out and its late answer came to request 6, whose own never came
+        (["ok"] * 5 + ["error", "WRONG", "ok"], [1] * 5 + [1, 0, 1], {vanished, wrong}),
+        # request 6 was given garbage (or another client's answer), and its own was lost
+        (["ok"] * 6 + ["WRONG", "ok"], [1] * 6 + [0, 1], {vanished, wrong}),
+        # request 4's answer came to it, and again (late) to request 6, whose own was lost
+        (["ok"] * 5 + ["error", "WRONG", "ok"], [1] * 4 + [2, 0, 0, 1], {vanished, twice, wrong}),
+        # request 7 got an error that is not clear text
+        (["ok"] * 7 + ["GARBLED"], [1] * 7 + [0], {garbled}),
+    ]
+    for received, delivered, named in cases:
+        with pytest.raises(AssertionError) as failed:
+            _check_outcomes({"received": received, "delivered": delivered}, 8)
+        said = {check for check in (vanished, twice, wrong, garbled) if check in str(failed.value)}
+        assert said == named, (received, delivered, str(failed.value))
 
 
 def _spawn(code, *args):
@@ -154,7 +211,6 @@ def test_soak_worker_kills_client_kills_and_a_scribbler():
                 ) from None
             assert out, f"an honest client died (exit {proc.returncode}) without its report"
             reports.append(json.loads(out))
-        results = [r["seen"] for r in reports]
         assert thread.is_alive(), "the supervisor loop died"
         # A quiet server: the scribbler (12 s, longer than the kill phase) and the doomed
         # clients go first. While the scribbler runs, it may write DONE, ERROR or garbage
@@ -182,19 +238,11 @@ def test_soak_worker_kills_client_kills_and_a_scribbler():
         thread.join(30)
         server.stop()
     assert kills["worker"] >= 1 and kills["client"] >= 1, kills
-    for seen in results:
-        assert sorted(int(k) for k in seen) == list(range(N)), "a request hung or vanished"
-        assert all(len(v) == 1 for v in seen.values()), "a request was answered twice"
-        outcomes = [v[0] for v in seen.values()]
-        assert "WRONG" not in outcomes, "an honest client accepted another request's answer"
-        assert "GARBLED" not in outcomes, "an error message was not clear text"
-        assert outcomes.count("ok") >= N // 4, outcomes.count("ok")
+    for report in reports:
+        _check_outcomes(report, N)
     print(
         "soak:",
         kills,
         [{k: r[k] for k in ("path", "timeouts", "timeout_s", "elapsed_s")} for r in reports],
-        [
-            sorted({o: [v[0] for v in s.values()].count(o) for o in ("ok", "error")}.items())
-            for s in results
-        ],
+        [sorted({o: r["received"].count(o) for o in ("ok", "error")}.items()) for r in reports],
     )
