@@ -21,7 +21,7 @@ help:
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
 
 $(STAMP): pyproject.toml shminfer/pyproject.toml shminfer/setup.py shminfer/src/shminfer/_fast.c requirements/dev.txt
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 9) and "rtfleet needs Python >= 3.9")'
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "rtfleet needs Python >= 3.11 (ansible-core 2.19)")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements/dev.txt

@@ -2,7 +2,7 @@
 ``shminfer.Client``, and the field reports' isolated design (an actor that owns the queue
 and a pinned worker, ``shminfer.ray_actor.InferenceActor``) serves them.
 
-Ray is an optional extra (``rtfleet[ray]``); requirements/dev.txt installs it, so these run
+Ray is an optional extra (``shminfer[ray]``); requirements/dev.txt installs it, so these run
 in ``make unit`` and CI, where a missing Ray is an error rather than a skip.
 """
 
@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - only where Ray cannot install
 
 pytestmark = pytest.mark.skipif(
     ray is None and os.environ.get("CI") != "true",
-    reason="Ray is not installed (pip install 'rtfleet[ray]'); CI installs it",
+    reason="Ray is not installed (pip install 'shminfer[ray]'); CI installs it",
 )
 
 WIDTH = 4096
@@ -58,7 +58,7 @@ class SamplerImpl:
 def local_ray():
     if ray is None:
         pytest.fail(
-            "Ray is not installed: pip install 'rtfleet[ray]' (requirements/dev.txt has it)"
+            "Ray is not installed: pip install 'shminfer[ray]' (requirements/dev.txt has it)"
         )
     here = os.path.dirname(os.path.abspath(__file__))
     ray.init(

@@ -254,7 +254,7 @@ class OpenVINOBackend(Backend):
             import openvino as ov  # noqa: PLC0415 - optional dependency, loaded in the worker
         except ImportError:
             raise BackendError(
-                "OpenVINO is not installed: pip install 'rtfleet[openvino]'"
+                "OpenVINO is not installed: pip install 'shminfer[openvino]'"
             ) from None
         path = Path(model).with_suffix(".xml")
         if not path.exists():

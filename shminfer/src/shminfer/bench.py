@@ -496,7 +496,7 @@ def _main(args) -> int:
     skipped = []
     if "iceoryx2" in names and not iceoryx2_available():
         names.remove("iceoryx2")
-        skipped.append("iceoryx2 (not installed: pip install iceoryx2, or rtfleet's bench extra)")
+        skipped.append("iceoryx2 (not installed: pip install 'shminfer[bench]')")
     from shminfer import _sys  # noqa: PLC0415
 
     if "shminfer_pure" in names and _sys.use(_sys.IMPLEMENTATION) == "pure":

@@ -34,9 +34,7 @@ def _ray():
     try:
         import ray  # noqa: PLC0415
     except ImportError:
-        raise QueueError(
-            "shminfer bench ray needs Ray: pip install 'rtfleet[ray]' (or ray)"
-        ) from None
+        raise QueueError("shminfer bench ray needs Ray: pip install 'shminfer[ray]'") from None
     return ray
 
 

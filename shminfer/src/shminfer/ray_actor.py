@@ -1,4 +1,4 @@
-"""Optional Ray integration (``pip install 'rtfleet[ray]'``).
+"""Optional Ray integration (``pip install 'shminfer[ray]'``).
 
 The field reports' samplers talk to an inference Ray actor. ``InferenceActor`` keeps that
 shape but moves the work out of the actor process: the actor only owns the queue and the
