@@ -43,6 +43,7 @@ def smoke_entry(
     wall_ms: float = 0.3,
     deschedule_ms: float = 0.0,
     thread_share: float = 1.0,
+    jitter: float | None = 0.1,
     failures: list | None = None,
 ) -> dict:
     """`shminfer smoke --format json` output for one unit, shaped like cmd_smoke builds it."""
@@ -66,6 +67,7 @@ def smoke_entry(
         "latency_ms_p99": p99,
         "latency_ms_p999": p999,
         "latency_ms_max": peak,
+        "latency_jitter": jitter,
         "slow_infer": 0,
         **{k: v for k, v in summary.items() if k != "samples"},
         "passed": not failures,

@@ -38,6 +38,10 @@ The post-check role writes one JSON file per host on the controller,
         "load": "...", "duration_s": 300, "cpus": "1-3,5-7", "priority": 1
       },
       "smoke": [{...}],                     # `shminfer smoke --format json` per unit; may be []
+                                            # plus "client_cpu" (the CPU the role pinned the
+                                            # client to) and "client_cpu_from" (why there);
+                                            # shminfer records "client_cpus", its affinity
+                                            # as it ran, and "latency_jitter" (std / mean)
       "consistency": [{"check": str, "ok": bool, "detail": str}],
       "thresholds": {                       # the limits this run was gated with
         "cyclictest_max_us": 100,           # -> gate_cyclictest max_us
@@ -45,6 +49,7 @@ The post-check role writes one JSON file per host on the controller,
         "cyclictest_min_cycles": 10000,     # optional -> min_cycles
         "hwlatdetect_max_us": 20,           # -> gate_hwlatdetect (default 20)
         "oslat_max_us": 100,                # -> gate_oslat (default: cyclictest_max_us)
+        "smoke_max_jitter": 0.2,            # -> gate_smoke (default 0.20; null = off)
         "smoke_max_p99_ms": 5.0, ...        # informational: shminfer smoke gates itself
       },
       "gate": {"passed": bool, "verdict": "passed" | "hardware/firmware" | "failed",
@@ -933,6 +938,14 @@ def check_settings(settings):
     return errors
 
 
+# The smoke round trip's jitter coefficient (standard deviation / mean) when the inventory
+# sets no rtfleet_postcheck_smoke_max_jitter. From the field report on Kubernetes CPU
+# Manager pinning (roles/rtfleet_postcheck/README.md cites it): 4 inference cores on shared
+# CFS time slices 0.35, pinned 0.18, pinned with the inference threads capped 0.15, pinned
+# on one NUMA node 0.12; its advice is to look at thread affinity and NUMA placement above
+# 0.20. 0.20 passes every pinned figure and fails the shared-core one.
+DEFAULT_SMOKE_MAX_JITTER = 0.2
+
 # Gates of the trio when the inventory sets none (docs/report.md gives the sources):
 # hwlatdetect 20 µs, OpenShift cnf-tests' default (HWLATDETECT_MAXIMUM_LATENCY; the tool's
 # own default threshold is 10 µs); oslat: the cyclictest limit, like OpenShift's one
@@ -972,15 +985,77 @@ def hardware_gate(result):
         return parsed, ["hwlatdetect: %s" % exc]
 
 
+def _gate_off(value):
+    """A threshold switched off: null in the inventory (Ansible may hand it over as text)."""
+    return value is None or str(value).strip() in ("", "None", "none", "null")
+
+
+def smoke_client_placement(entry):
+    """The failure, if any, of a smoke client that ran elsewhere than the role pinned it."""
+    asked, ran = entry.get("client_cpu"), entry.get("client_cpus")
+    if asked is None or ran is None:
+        return []  # not pinned (a sampler's run), or a shminfer that did not record it
+    try:
+        asked_cpus = parse_cpulist(str(asked), "client_cpu")
+        ran_cpus = parse_cpulist(str(ran), "client_cpus")
+    except TopologyError as exc:
+        return ["the smoke client's CPUs cannot be read: %s" % exc]
+    if ran_cpus == asked_cpus:
+        return []
+    return [
+        "the client ran on CPUs %s, not on CPU %s where the post-check pinned it (the cgroup's "
+        "cpuset or the affinity did not take): the round trip was not measured where the "
+        "unit's samplers run" % (format_cpulist(ran_cpus) or "(none)", format_cpulist(asked_cpus))
+    ]
+
+
+def gate_smoke(entry, thresholds=None):
+    """Failure messages (without the unit's name) for one ``shminfer smoke`` entry.
+
+    shminfer smoke gates its own figures (``failures``) with the limits the role passed it;
+    this adds what the post-check judges itself: the round trip's jitter coefficient
+    (``latency_jitter``, standard deviation / mean) against ``smoke_max_jitter`` (default
+    :data:`DEFAULT_SMOKE_MAX_JITTER`; null switches it off) and the client's affinity as it
+    ran (``client_cpus``) against the CPU the role pinned it to (``client_cpu``).
+    """
+    thresholds = thresholds or {}
+    own = [str(f) for f in entry.get("failures") or []]
+    failures = list(own)
+    if entry.get("passed") is False and not own:
+        failures.append("failed without a recorded reason")
+    limit = thresholds.get("smoke_max_jitter", DEFAULT_SMOKE_MAX_JITTER)
+    # shminfer smoke run with --max-jitter has said so already (its own wording).
+    judged = any(f.startswith("round-trip jitter") for f in own)
+    if not _gate_off(limit) and not judged:
+        try:
+            limit = float(_number(limit, "smoke_max_jitter"))
+        except PostcheckError as exc:
+            failures.append(str(exc))
+        else:
+            jitter = entry.get("latency_jitter")
+            if isinstance(jitter, bool) or not isinstance(jitter, (int, float)):
+                failures.append(
+                    "no round-trip jitter recorded (fewer than two answers, or a shminfer that "
+                    "does not measure it), so the %g limit cannot be checked" % limit
+                )
+            elif jitter > limit:
+                failures.append(
+                    "round-trip jitter (std/mean) %.3f > %g (rtfleet_postcheck_smoke_max_jitter)"
+                    % (jitter, limit)
+                )
+    failures.extend(smoke_client_placement(entry))
+    return failures
+
+
 def gate_host(result):
     """``{"passed": bool, "verdict": str, "failures": [...]}`` for one per-host result.
 
     In OpenShift's order: hwlatdetect (:func:`hardware_gate`; a failure makes the verdict
     "hardware/firmware", and the later tools were skipped), then :func:`gate_cyclictest`
-    (limits from the ``cyclictest_*`` thresholds), :func:`gate_oslat`, each smoke entry's
-    own ``failures`` (shminfer smoke already gated them) and the failed consistency
-    checks. A tuned host without a cyclictest run fails; a baseline may lack one. A tool
-    recorded as ``{"skipped": reason}`` is not judged.
+    (limits from the ``cyclictest_*`` thresholds), :func:`gate_oslat`, each smoke entry
+    (:func:`gate_smoke`: its own ``failures``, its jitter and where its client ran) and the
+    failed consistency checks. A tuned host without a cyclictest run fails; a baseline may
+    lack one. A tool recorded as ``{"skipped": reason}`` is not judged.
     """
     source = result.get("host") if isinstance(result, dict) else None
     result = validate_result(result, str(source or "<result>"))
@@ -1017,10 +1092,7 @@ def gate_host(result):
             failures.append("oslat: %s" % exc)
     for entry in result["smoke"]:
         name = entry.get("server", "?")
-        own = [str(f) for f in entry.get("failures") or []]
-        failures.extend("smoke %s: %s" % (name, f) for f in own)
-        if entry.get("passed") is False and not own:
-            failures.append("smoke %s: failed without a recorded reason" % name)
+        failures.extend("smoke %s: %s" % (name, f) for f in gate_smoke(entry, result["thresholds"]))
     for check in result["consistency"]:
         if not check.get("ok"):
             detail = check.get("detail") or "failed"

@@ -37,10 +37,12 @@ from .postcheck import (
     cyclictest_thresholds,
     format_percentile,
     gate_host,
+    gate_smoke,
     load_result,
     parse_cyclictest,
     parse_hwlatdetect,
     parse_oslat,
+    smoke_client_placement,
 )
 from . import report_doc as doc
 from .report_containers import containers_blocks, containers_failed, load_containers
@@ -59,6 +61,7 @@ _COMPARED = (
     ("smoke round trip p99.9", "ms", ("smoke", "latency_ms_p999")),
     ("deschedule p99.9", "ms", ("smoke", "deschedule_ms_p999")),
     ("process/thread CPU ratio", "", ("smoke", "cpu_ratio")),
+    ("smoke round-trip jitter (std/mean)", "", ("smoke", "latency_jitter")),
 )
 
 
@@ -457,7 +460,7 @@ def host_summary(entry):
     ct = entry["cyclictest"] or {}
     summary = ct.get("summary") or {}
     smoke = entry["smoke"]
-    passed_units = sum(1 for unit in smoke if unit.get("passed"))
+    passed_units = sum(1 for unit in smoke if not gate_smoke(unit, entry["thresholds"]))
     kernel = entry["kernel"] or {}
     rt = kernel.get("realtime")
     if rt is None and summary:
@@ -510,7 +513,7 @@ def _cpu_cells(row, hist_us):
 
 
 _SMOKE_COLUMNS = ("unit", "client CPU", "requests", "errors", "p50 ms", "p99 ms", "p99.9 ms")
-_SMOKE_COLUMNS += ("max ms",)
+_SMOKE_COLUMNS += ("max ms", "jitter (std/mean)")
 _SMOKE_COLUMNS += ("deschedule p99.9 ms", "CPU ratio", "slow_infer", "passed")
 
 
@@ -521,18 +524,25 @@ def _ms(value):
 
 
 def _client_cell(unit):
-    """Where the smoke client ran (the post-check pins it where the unit's samplers go)."""
-    if unit.get("client_cpu") is None:
-        return "not pinned"
+    """Where the smoke client ran: its affinity as it ran (``client_cpus``, recorded by the
+    client itself), and the CPU the post-check pinned it to (where the unit's samplers go)
+    when that was another."""
+    ran, asked = unit.get("client_cpus"), unit.get("client_cpu")
+    if asked is None:
+        return "CPUs %s (not pinned)" % ran if ran is not None else "not pinned"
     where = {
         "pod_pool_same_node": "pod pool, same node",
         "pod_pool_same_package": "pod pool, same socket",
         "housekeeping_same_node": "housekeeping, same node",
     }.get(unit.get("client_cpu_from"), unit.get("client_cpu_from") or "?")
-    return "%s (%s)" % (unit["client_cpu"], where)
+    if ran is None:
+        return "%s (%s; as it ran: not recorded)" % (asked, where)
+    if smoke_client_placement(unit):
+        return "%s, asked for %s (%s)" % (ran, asked, where)
+    return "%s (%s)" % (ran, where)
 
 
-def _smoke_cells(unit):
+def _smoke_cells(unit, thresholds=None):
     return [
         str(unit.get("server")),
         _client_cell(unit),
@@ -542,10 +552,11 @@ def _smoke_cells(unit):
         _ms(unit.get("latency_ms_p99")),
         _ms(unit.get("latency_ms_p999")),
         _ms(unit.get("latency_ms_max")),
+        _ms(unit.get("latency_jitter")),
         _ms(unit.get("deschedule_ms_p999")),
         _ms(unit.get("cpu_ratio")),
         _fmt(unit.get("slow_infer")),
-        "yes" if unit.get("passed") else "no",
+        "no" if gate_smoke(unit, thresholds) else "yes",
     ]
 
 
@@ -816,7 +827,11 @@ def _host_blocks(entry):
     if entry["smoke"]:
         out += [
             doc.heading(3, "shminfer smoke"),
-            doc.table(_SMOKE_COLUMNS, [_smoke_cells(u) for u in entry["smoke"]], "smoke"),
+            doc.table(
+                _SMOKE_COLUMNS,
+                [_smoke_cells(u, entry["thresholds"]) for u in entry["smoke"]],
+                "smoke",
+            ),
         ]
     if entry["consistency"]:
         out += [

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from . import report_doc as doc
+from .topology import TopologyError, format_cpulist, parse_cpulist
 
 _COLUMNS = (
     "host",
@@ -68,6 +69,8 @@ def _entry(path):
                 float(smoke[k]) for k in ("latency_ms_p50", "latency_ms_p99", "latency_ms_p999")
             ],
             "deschedule_ms_p999": smoke.get("deschedule_ms_p999"),
+            # The sampler's own affinity as it ran (shminfer smoke records it), or None.
+            "client_cpus": smoke.get("client_cpus"),
             "passed": bool(smoke["passed"]),
             "failures": [str(f) for f in smoke.get("failures") or []],
         }
@@ -77,11 +80,27 @@ def _entry(path):
     return entry
 
 
+def _ran_elsewhere(entry):
+    """The CPUs the sampler ran on, when it recorded them and they are not the ones the
+    container was given; else None."""
+    ran = entry.get("smoke", {}).get("client_cpus")
+    if ran is None:
+        return None
+    try:
+        ran_cpus = parse_cpulist(str(ran), "client_cpus")
+    except TopologyError:
+        return str(ran)
+    return None if ran_cpus == sorted(entry.get("cpus", [])) else format_cpulist(ran_cpus)
+
+
 def _row(entry):
     where = "%s (node %s)" % (
         ",".join(map(str, entry.get("cpus", []))) or "-",
         entry.get("numa_node", "-"),
     )
+    elsewhere = None if "error" in entry else _ran_elsewhere(entry)
+    if elsewhere is not None:
+        where = "ran on %s, given %s" % (elsewhere or "-", where)
     if "error" in entry:
         return [entry["host"], where, "-", "-", "-", "error: %s" % entry["error"]]
     smoke = entry["smoke"]
@@ -123,6 +142,11 @@ def containers_failed(entries):
     for entry in entries:
         if "error" in entry:
             failed.append("%s: containerised sampler: %s" % (entry["host"], entry["error"]))
+        elif _ran_elsewhere(entry) is not None:
+            failed.append(
+                "%s: containerised sampler ran on CPUs %s, not on the CPUs %s it was given"
+                % (entry["host"], _ran_elsewhere(entry) or "-", format_cpulist(entry["cpus"]))
+            )
         elif entry["smoke"]["unit_node"] != entry["numa_node"]:
             failed.append(
                 "%s: containerised sampler on CPUs %s (node %d) used unit %s on node %s"

@@ -59,6 +59,8 @@ def test_the_old_host_serves_the_model_from_a_temporary_directory_and_keeps_noth
     assert figures["server"] == "rtfleet-baseline" and figures["errors"] == 0
     assert figures["latency_ms_p99"] > 0 and "deschedule_ms_p999" in figures
     assert result["clients"] == [1 if len(os.sched_getaffinity(0)) > 1 else 0]
+    # The client's own record of where it ran: the CPU the role's taskset gave it.
+    assert figures["client_cpus"] == str(result["clients"][0])
     # Nothing stays: the directory is gone and so is the server.
     assert _leftovers() == before
     left = subprocess.run(

@@ -344,7 +344,9 @@ def test_rescue_path_writes_the_report_once_per_batch():
 
 
 def test_smoke_table_says_where_the_client_ran(tmp_path):
-    pinned = dict(smoke_entry("ccx1"), client_cpu=2, client_cpu_from="pod_pool_same_node")
+    pinned = dict(
+        smoke_entry("ccx1"), client_cpu=2, client_cpu_from="pod_pool_same_node", client_cpus="2"
+    )
     results = write_results(tmp_path / "r", [host_result("srv", smoke=[pinned, smoke_entry("b")])])
     build_report(results, tmp_path / "out", plots=False)
     markdown = (tmp_path / "out/report.md").read_text()
@@ -431,6 +433,8 @@ def test_the_containerised_sampler_is_reported_and_gates_the_fleet(tmp_path):
     with serving(cpus=CPUS[-1:]) as server:
         run = subprocess.run(
             [
+                # On the CPU the record says the container was given, as podman's cpuset does.
+                *("taskset", "--cpu-list", str(CPUS[0])),
                 *(str(Path(sys.executable).parent / "shminfer"),),
                 "smoke",
                 "--match",
@@ -476,6 +480,19 @@ def test_the_containerised_sampler_is_reported_and_gates_the_fleet(tmp_path):
     fleet = build_report(results, tmp_path / "out", plots=False)
     assert not fleet["verdict"]["passed"]
     assert f"(node {node + 1}) used unit {server.name} on node {node}" in fleet["verdict"]["reason"]
+    # Given other CPUs than it ran on (its own record says where): the fleet fails too.
+    if len(CPUS) > 1:
+        (containers / "epyc1.json").write_text(
+            json.dumps(_container_record("epyc1", run.stdout, cpus=[CPUS[1]], node=node))
+        )
+        fleet = build_report(results, tmp_path / "out", plots=False)
+        assert not fleet["verdict"]["passed"]
+        assert (
+            f"containerised sampler ran on CPUs {CPUS[0]}, not on the CPUs {CPUS[1]} it was given"
+            in fleet["verdict"]["reason"]
+        )
+        markdown = (tmp_path / "out/report.md").read_text()
+        assert f"| epyc1 | ran on {CPUS[0]}, given {CPUS[1]} (node {node}) |" in markdown
     # A container that never printed its result (podman refused to start it).
     crashed = _container_record(
         "epyc1", "", cpus=[CPUS[0]], node=node, rc=125, stderr="Error: crun: cannot set cpuset"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -128,6 +129,8 @@ def _connect(args) -> Client:
 
 
 def cmd_smoke(args) -> int:
+    from shminfer.topology import format_cpulist  # noqa: PLC0415
+
     if args.max_deschedule_p999_ms < CPU_EXACT_NS / 1e6:
         # Below it, a short batch's deschedule is an upper bound (its wall time), not exact.
         print(
@@ -153,6 +156,10 @@ def cmd_smoke(args) -> int:
         # Metrics window: the batches after the warm-up.
         heads = [lane.seg.get("ring_head") for lane in client.lanes]
         requests = [_inputs_for(model, args.batch, rng) for _ in range(min(args.requests, 64))]
+        # Where this client ran: its CPU affinity as the kernel holds it (what systemd-run's
+        # CPUAffinity=/AllowedCPUs=, taskset or a container's cpuset left it), read before
+        # and after the measured requests, not the CPU a caller meant to give it.
+        affinity_before = os.sched_getaffinity(0)
         for i in range(args.requests):
             t0 = time.perf_counter_ns()
             try:
@@ -162,6 +169,7 @@ def cmd_smoke(args) -> int:
                 print(f"request {i}: {exc}", file=sys.stderr)
                 continue
             latencies.append((time.perf_counter_ns() - t0) / 1e6)
+        affinity_after = os.sched_getaffinity(0)
         records = np.concatenate(
             [lane.seg.ring_read(since)[0] for lane, since in zip(client.lanes, heads)]
         )
@@ -182,9 +190,17 @@ def cmd_smoke(args) -> int:
         if lat.size > 1 and lat.mean() > 0
         else None,
         "slow_infer": slow_batches(records, args.slow_cpu_ms, args.slow_wall_ms),
+        # The client's CPUs as it ran (sched_getaffinity): every CPU it was allowed on
+        # during the measured requests.
+        "client_cpus": format_cpulist(affinity_before | affinity_after),
         **{k: v for k, v in summary.items() if k != "samples"},
     }
     failures = []
+    if affinity_after != affinity_before:
+        failures.append(
+            f"the client's CPU affinity changed during the run (CPUs "
+            f"{format_cpulist(affinity_before)}, then {format_cpulist(affinity_after)})"
+        )
     if errors > args.max_errors:
         failures.append(f"{errors} errors > {args.max_errors}")
     if result["latency_ms_p99"] > args.max_p99_ms:
@@ -265,6 +281,7 @@ def _print_smoke(result):
             )
     console = Console(highlight=False)
     console.print(table)
+    console.print(f"client CPUs (as it ran): {result.get('client_cpus', 'n/a')}")
     ratio = result.get("cpu_ratio")
     jitter = result.get("latency_jitter")
     console.print(
