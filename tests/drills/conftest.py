@@ -63,6 +63,9 @@ class Lab:
         self.logs = logs
         self.env = {
             **os.environ,
+            # The venv's tools first (testinfra's ansible backend calls ansible-inventory),
+            # also when pytest runs without `make drills`.
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "RTFLEET_LAB_DIR": str(state),
             "RTFLEET_REPORT_DIR": str(logs / "report"),
             "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),

@@ -234,6 +234,7 @@ def test_restore_leaves_nothing_of_rtfleet(lab):
         timeout=600,
         check=False,
     )  # fmt: skip
+    (lab.logs / "restored-check.log").write_text(check.stdout + check.stderr)
     assert check.returncode == 0 and " 2 passed" in check.stdout, check.stdout[-3000:]
     # Nothing left to restore: a second restore is refused in one line.
     again = lab.playbook("playbooks/restore.yml")

@@ -31,7 +31,9 @@ def original(host):
 def test_the_host_is_as_it_was_before_rtfleet(host, original):
     result = host.ansible(
         "rtfleet.fleet.host_original",
-        {"state": "compared", "record": original, "path": "/nonexistent"},
+        # testinfra hands module arguments to ansible as one string: JSON, which ansible
+        # reads as the arguments' dict (k=v quoting would break on the record's values).
+        json.dumps({"state": "compared", "record": original, "path": "/nonexistent"}),
         check=False,
         become=True,
     )
