@@ -140,12 +140,13 @@ def containers_failed(entries):
     smoke gate (the report's verdict counts them)."""
     failed = []
     for entry in entries:
+        elsewhere = None if "error" in entry else _ran_elsewhere(entry)
         if "error" in entry:
             failed.append("%s: containerised sampler: %s" % (entry["host"], entry["error"]))
-        elif _ran_elsewhere(entry) is not None:
+        elif elsewhere is not None:
             failed.append(
                 "%s: containerised sampler ran on CPUs %s, not on the CPUs %s it was given"
-                % (entry["host"], _ran_elsewhere(entry) or "-", format_cpulist(entry["cpus"]))
+                % (entry["host"], elsewhere or "-", format_cpulist(entry["cpus"]))
             )
         elif entry["smoke"]["unit_node"] != entry["numa_node"]:
             failed.append(
