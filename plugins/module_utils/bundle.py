@@ -13,7 +13,10 @@ import io
 import os
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path, PurePosixPath
+
+BLOCK = 4096  # what a file takes on disk, at least: ext4's and XFS's usual block
 
 # 1980-01-01, the epoch zip (wheels) can represent; also the role's SOURCE_DATE_EPOCH.
 MTIME = 315532800
@@ -67,10 +70,43 @@ def _info(name: str, size: int, mode: int) -> tarfile.TarInfo:
     return info
 
 
+def _on_disk(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK if size else 0
+
+
+def release_bytes(members: dict[str, Path]) -> int:
+    """What a node's release of these members takes on disk, over-estimated: every member
+    as unpacked from the bundle, plus every file of every wheel as pip installs it into the
+    release's venv, plus a byte-compiled copy of each ``.py`` (pip compiles on install;
+    counted at twice the source, a ``.pyc`` of constant-heavy code is larger than it), a
+    block for each directory, each file rounded up to whole blocks. The runtime role checks
+    the node has this free before it ships anything."""
+    total = 0
+    for arcname, source in members.items():
+        total += _on_disk(source.stat().st_size)
+        if not arcname.endswith(".whl"):
+            continue
+        try:
+            with zipfile.ZipFile(source) as wheel:
+                directories = set()
+                for entry in wheel.infolist():
+                    total += _on_disk(entry.file_size)
+                    parent = PurePosixPath(entry.filename).parent
+                    directories.update([parent, *parent.parents])
+                    if entry.filename.endswith(".py"):
+                        total += _on_disk(2 * entry.file_size)
+                        directories.add(parent / "__pycache__")
+                total += BLOCK * len(directories)
+        except zipfile.BadZipFile as exc:
+            raise BundleError(f"member {arcname!r}: {source} is not a wheel (zip): {exc}") from exc
+    return total
+
+
 def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
     """Write the bundle to OUT unless OUT already holds the same bytes.
 
-    Returns {"path", "sha256", "changed", "members"}; OUT is replaced atomically.
+    Returns {"path", "sha256", "changed", "members", "bytes", "release_bytes"} (the tar's
+    size and what its release takes on a node, release_bytes()); OUT is replaced atomically.
     """
     members = parse_members(specs)
     out = Path(out)
@@ -108,7 +144,14 @@ def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return {"path": str(out), "sha256": digest, "changed": changed, "members": len(members)}
+    return {
+        "path": str(out),
+        "sha256": digest,
+        "changed": changed,
+        "members": len(members),
+        "bytes": out.stat().st_size,
+        "release_bytes": release_bytes(members),
+    }
 
 
 def _dir_info(name: str) -> tarfile.TarInfo:

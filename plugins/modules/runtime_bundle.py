@@ -58,6 +58,17 @@ members:
   description: How many files the tar holds (without the SHA256SUMS).
   returned: success
   type: int
+bytes:
+  description: The tar's size in bytes.
+  returned: success
+  type: int
+release_bytes:
+  description: >-
+    What the release takes on a node, over-estimated: the members unpacked, every wheel's
+    files installed into a venv, a byte-compiled copy of each .py, each file in whole 4 KiB
+    blocks. The runtime role checks the node has this much free before it ships anything.
+  returned: success
+  type: int
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -82,6 +93,8 @@ def main():
         path=result["path"],
         sha256=result["sha256"],
         members=result["members"],
+        bytes=result["bytes"],
+        release_bytes=result["release_bytes"],
     )
 
 

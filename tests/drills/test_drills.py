@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -151,6 +152,192 @@ def test_kubelet_refuses_the_new_configuration(lab):
     assert _unit_active(lab) == "active" and _healthz(lab) == "ok", (
         "the stand-in is not running again"
     )
+
+
+# --------------------------------------------------------------------------- the runtime
+
+RUNTIME_PLAYBOOK = "playbooks/runtime.yml"
+PREFIX = "/opt/shminfer"
+RUNTIME_TASK = r"^TASK \[rtfleet\.fleet\.rtfleet_runtime : %s"
+PIP_INSTALL = RUNTIME_TASK % r"Install shminfer and its dependencies offline into the release"
+FIRST_PROBE = RUNTIME_TASK % r"Probe the unit until it answers"
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Model sets for new releases (rtfleet_runtime_model_src), built on the controller by
+    shminfer make-model: two good ones of other shapes than the default, and one OpenVINO
+    cannot read (a unit started on it never answers)."""
+    root = tmp_path_factory.mktemp("drill-models")
+    sets = {}
+    for name, hidden in (("b", "40"), ("c", "24")):
+        (root / name).mkdir()
+        subprocess.run([str(BIN / "shminfer"), "make-model", str(root / name / "mlp"),
+                        "--hidden", hidden], check=True, capture_output=True)  # fmt: skip
+        sets[name] = ["-e", f"rtfleet_runtime_model_src={root / name}"]
+    bad = root / "bad"
+    shutil.copytree(root / "c", bad)
+    (bad / "mlp.xml").write_text('<net name="broken"')
+    sets["bad"] = ["-e", f"rtfleet_runtime_model_src={bad}"]
+    return sets
+
+
+def _units(lab) -> list[str]:
+    listing = lab.ssh("systemctl list-units --all --plain --no-legend 'shminfer@*.service'")
+    return sorted(line.split()[0] for line in listing.splitlines() if line.strip())
+
+
+def _serving(lab) -> dict[str, str | None]:
+    """Each unit's release as its process runs it: the venv in its command line (the
+    interpreter from the script's #! line, which pip wrote with the release's own path)."""
+    out = {}
+    for unit in _units(lab):
+        pid = lab.ssh(f"systemctl show --property=MainPID --value {unit}").strip()
+        cmd = lab.ssh(f"tr '\\0' ' ' < /proc/{pid}/cmdline 2>/dev/null || true")
+        found = re.search(r"/releases/([0-9a-f]{16})/venv/", cmd)
+        out[unit] = found.group(1) if found else None
+    return out
+
+
+def _link(lab, name: str) -> str:
+    return lab.ssh(f"readlink {PREFIX}/{name} || true").strip().removeprefix("releases/")
+
+
+def _releases(lab) -> list[str]:
+    return sorted(lab.ssh(f"ls -1 {PREFIX}/releases").split())
+
+
+def _probe_all(lab) -> None:
+    for unit in _units(lab):
+        group = unit.removeprefix("shminfer@").removesuffix(".service")
+        lab.ssh(f"{PREFIX}/current/venv/bin/shminfer probe --name {group} --ready-timeout 120",
+                timeout=300)  # fmt: skip
+
+
+def _runtime_converged(lab, *args: str) -> str:
+    """The runtime play converged: every unit on `current`, each answering; nothing
+    unverified; the run after it changes nothing. Returns the serving release."""
+    run = lab.playbook(RUNTIME_PLAYBOOK, *args)
+    assert run.returncode == 0, run.tail()
+    current = _link(lab, "current")
+    assert set(_serving(lab).values()) == {current}, _serving(lab)
+    lab.ssh(f"test ! -e {PREFIX}/.verifying && test -f {PREFIX}/releases/{current}/.complete")
+    _probe_all(lab)
+    again = lab.playbook(RUNTIME_PLAYBOOK, *args)
+    assert again.returncode == 0 and again.recap()["changed"] == 0, again.tail()
+    return current
+
+
+def test_runtime_release_deploys_and_a_rerun_changes_nothing(lab):
+    first = _runtime_converged(lab)
+    assert len(_units(lab)) >= 2, "the drill needs two units to see a rolling restart"
+    assert _releases(lab) == [first]
+    lab.ssh(f"test ! -e /var/lib/shminfer/bundle.tar && test ! -e {PREFIX}/previous")
+
+
+def _free_bytes(lab) -> int:
+    return int(lab.ssh("df --output=avail -B1 /var/lib/shminfer | tail -1").strip())
+
+
+FILLER = "/var/tmp/rtfleet-drill-filler"
+
+
+def _fill(lab, leave_mib: int) -> str:
+    size = _free_bytes(lab) - leave_mib * 2**20
+    assert size > 0, f"less than {leave_mib} MiB free already"
+    lab.ssh(f"fallocate -l {size} {FILLER}")
+    return f"disk filled ({size >> 20} MiB), {leave_mib} MiB left"
+
+
+def test_a_full_disk_refuses_a_new_release_and_changes_nothing(lab, models):
+    before, pids = _link(lab, "current"), _main_pids(lab)
+    _fill(lab, 64)
+    try:
+        run = lab.playbook(RUNTIME_PLAYBOOK, *models["b"])
+    finally:
+        lab.ssh(f"rm -f {FILLER}")
+    assert run.returncode != 0
+    assert "MiB free; the runtime release" in run.output, run.tail()
+    assert "Ship the bundle" not in run.output
+    assert _releases(lab) == [before] and _link(lab, "current") == before
+    lab.ssh("test ! -e /var/lib/shminfer/bundle.tar")
+    assert _main_pids(lab) == pids, "a unit was restarted"
+
+
+def _main_pids(lab) -> dict[str, str]:
+    show = "systemctl show --property=MainPID --value "
+    return {unit: lab.ssh(show + unit).strip() for unit in _units(lab)}
+
+
+def test_the_disk_filling_during_the_install_leaves_no_half_release(lab, models):
+    """The estimate cannot see another writer: here the disk fills up (from outside the run)
+    once the bundle is unpacked and pip starts."""
+    before, pids = _link(lab, "current"), _main_pids(lab)
+    try:
+        fill = (PIP_INSTALL, lambda _: _fill(lab, 4))
+        run = lab.playbook(RUNTIME_PLAYBOOK, *models["b"], fault=fill)
+    finally:
+        lab.ssh(f"rm -f {FILLER}")
+    assert run.faults, f"the run never reached the install: no fault\n{run.tail()}"
+    assert run.returncode != 0
+    assert "failed because the disk is full" in run.output, run.tail()
+    assert _releases(lab) == [before] and _link(lab, "current") == before
+    lab.ssh("test ! -e /var/lib/shminfer/bundle.tar")
+    assert _main_pids(lab) == pids, "a unit was restarted"
+
+
+def test_controller_killed_during_the_install_then_a_rerun_converges(lab, models):
+    before = _link(lab, "current")
+
+    def kill_once_pip_runs(proc) -> str:
+        time.sleep(15)  # pip is writing the release's venv
+        return kill_controller(proc)
+
+    run = lab.playbook(RUNTIME_PLAYBOOK, *models["b"], fault=(PIP_INSTALL, kill_once_pip_runs))
+    assert run.faults and run.returncode < 0, run.tail()
+    # A release half there, not complete; the units still on the one before.
+    half = [r for r in _releases(lab) if r != before]
+    assert len(half) == 1, _releases(lab)
+    lab.ssh(f"test ! -e {PREFIX}/releases/{half[0]}/.complete")
+    assert set(_serving(lab).values()) == {before} and _link(lab, "current") == before
+    new = _runtime_converged(lab, *models["b"])
+    assert new == half[0] and _link(lab, "previous") == before
+    assert _releases(lab) == sorted([before, new])
+
+
+def test_controller_killed_during_the_rolling_restart_then_a_rerun_converges(lab, models):
+    before = _link(lab, "current")
+    run = lab.playbook(RUNTIME_PLAYBOOK, *models["c"], fault=(FIRST_PROBE, kill_controller))
+    assert run.faults and run.returncode < 0, run.tail()
+    new = _link(lab, "current")
+    assert new != before
+    lab.ssh(f"test -e {PREFIX}/.verifying")
+    # The units after the first one still run the release before (serving).
+    serving = _serving(lab)
+    assert before in serving.values(), serving
+    assert _runtime_converged(lab, *models["c"]) == new
+    # Two releases kept: the one serving and the one before it.
+    assert _releases(lab) == sorted([before, new]) and _link(lab, "previous") == before
+
+
+def test_a_release_that_does_not_load_goes_back_to_the_previous(lab, models):
+    good = _link(lab, "current")
+    since = lab.ssh("date +%s").strip()
+    # systemd waits for READY=1 (every worker answered) up to the unit's start timeout,
+    # 300 s by default: the restart fails then, and the role goes back.
+    run = lab.playbook(RUNTIME_PLAYBOOK, *models["bad"])
+    journal = lab.ssh(f"journalctl --unit 'shminfer@*' --since @{since} --no-pager -o cat")
+    assert "Unable to read the model" in journal, "no unit ever tried the bad model: no fault"
+    assert run.returncode != 0
+    assert f"so the units went back to release {good}" in run.output, run.tail()
+    assert "answering their probes" in run.output, run.tail()
+    assert _link(lab, "current") == good
+    assert set(_serving(lab).values()) == {good}, _serving(lab)
+    lab.ssh(f"test ! -e {PREFIX}/.verifying")
+    assert good in _releases(lab) and len(_releases(lab)) == 2, _releases(lab)
+    _probe_all(lab)
+    # The good model again: nothing to change.
+    assert _runtime_converged(lab, *models["c"]) == good
 
 
 # --------------------------------------------------------------------------- undo

@@ -19,8 +19,8 @@ from rtfleet_infra import read_files
 
 from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import parse_cpulist
 
-SHMINFER = "/opt/shminfer/venv/bin/shminfer"
-MODELS = "/var/lib/shminfer/models"
+SHMINFER = "/opt/shminfer/current/venv/bin/shminfer"
+MODELS = "/opt/shminfer/current/models"
 # \036 starts a process, \037 separates its status from its numa_maps.
 _PROCS = (
     "cg=$(systemctl show --property=ControlGroup --value %s); "
@@ -209,6 +209,30 @@ def test_model_files_match_their_checksums(host):
     assert files[MODELS + "/SHA256SUMS"], "no %s/SHA256SUMS" % MODELS
     check = host.run("cd %s && sha256sum --check --strict SHA256SUMS", MODELS)
     assert check.rc == 0, check.stdout + check.stderr
+
+
+PREFIX = "/opt/shminfer"
+
+
+def test_every_unit_runs_the_verified_release_current_points_at(host, rtfleet_plan):
+    """The release switch (rtfleet_runtime README, "The release switch"): `current` is a
+    complete release, nothing is left unverified, at most two releases are kept, and every
+    unit's process runs the venv of the release `current` points at (its command line starts
+    with the interpreter pip wrote into the release's scripts)."""
+    current = host.file(PREFIX + "/current")
+    assert current.is_symlink, "%s is not a link" % current.path
+    release = current.linked_to.rsplit("/", 1)[-1]
+    assert re.fullmatch(r"[0-9a-f]{16}", release), current.linked_to
+    complete = read_files(host, "%s/releases/%s/.complete" % (PREFIX, release))
+    assert complete[f"{PREFIX}/releases/{release}/.complete"].strip().startswith(release)
+    assert not host.file(PREFIX + "/.verifying").exists, "the release never answered on every unit"
+    kept = host.run("ls -1 %s/releases", PREFIX).stdout.split()
+    assert release in kept and len(kept) <= 2, kept
+    for group in _groups(rtfleet_plan):
+        unit = "shminfer@%s.service" % group["name"]
+        pid = host.run("systemctl show --property=MainPID --value %s", unit).stdout.strip()
+        argv = host.run("tr '\\0' ' ' < /proc/%s/cmdline", pid).stdout.split()
+        assert argv and "/releases/%s/venv/" % release in argv[0], (unit, argv)
 
 
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tarfile
+import zipfile
 
 import pytest
 
@@ -13,12 +15,35 @@ from rtfleet import cli
 from rtfleet.bundle import BundleError, write_bundle
 
 
+def _wheel(path, name: str, version: str, files: dict[str, bytes]) -> None:
+    """A wheel pip installs: the files, METADATA, WHEEL and RECORD."""
+    info = f"{name}-{version}.dist-info"
+    files = {
+        **files,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as whl:
+        for arcname, data in files.items():
+            whl.writestr(arcname, data)
+        whl.writestr(f"{info}/RECORD", record)
+
+
 @pytest.fixture
 def sources(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "b-1.0-py3-none-any.whl").write_bytes(os.urandom(70_000))
-    (src / "a-2.0-py3-none-any.whl").write_bytes(b"wheel a")
+    _wheel(
+        src / "b-1.0-py3-none-any.whl",
+        "b",
+        "1.0",
+        {f"b/m{i}.py": b"X = %d\n" % i * 2000 for i in range(30)}
+        | {"b/blob.bin": os.urandom(70_000)},
+    )
+    _wheel(src / "a-2.0-py3-none-any.whl", "a", "2.0", {"a/__init__.py": b"A = 1\n"})
     (src / "mlp.xml").write_text("<net/>")
     (src / "mlp.bin").write_bytes(bytes(range(256)) * 40)
     return src
@@ -120,3 +145,29 @@ def test_cli_prints_json_and_exits_2_on_bad_input(tmp_path, sources, capsys):
     assert result["changed"] and result["members"] == 4
     assert cli.main(["bundle", "--out", str(out), "wheels/x.whl=/nonexistent"]) == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_release_bytes_covers_what_pip_installs_and_compiles(tmp_path, sources):
+    """The estimate the runtime role checks free space against, against a real install: the
+    bundle unpacked by tar plus the wheels installed (and byte-compiled) by pip, measured by
+    du in the same blocks."""
+    result = write_bundle(tmp_path / "bundle.tar", _specs(sources, *ALL))
+    release = tmp_path / "release"
+    release.mkdir()
+    subprocess.run(["tar", "-x", "-f", result["path"], "-C", str(release)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+         "--target", str(release / "site"), *sorted(map(str, (release / "wheels").glob("*.whl")))],
+        check=True,
+    )  # fmt: skip
+    assert list((release / "site").rglob("*.pyc")), "pip compiled nothing: not the install measured"
+    used = int(subprocess.run(["du", "-s", "-B1", str(release)], capture_output=True, text=True,
+                              check=True).stdout.split()[0])  # fmt: skip
+    assert used <= result["release_bytes"] <= 3 * used, (used, result["release_bytes"])
+    assert result["bytes"] == os.path.getsize(result["path"])
+
+
+def test_a_wheel_that_is_not_a_zip_is_refused(tmp_path, sources):
+    (sources / "bad-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    with pytest.raises(BundleError, match="is not a wheel"):
+        write_bundle(tmp_path / "bundle.tar", _specs(sources, "bad-1.0-py3-none-any.whl"))

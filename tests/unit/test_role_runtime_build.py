@@ -59,6 +59,13 @@ def _build(tmp_path, wheelhouse, models, expect_rc=0, **role_vars):
     return json.loads(run.stdout)
 
 
+def _stand_in_wheel(path, which: str = "numpy") -> None:
+    """A wheel's place in the wheelhouse: a zip (the bundle sizes what its files take
+    installed), never installed here; `which` tells two apart."""
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"{which}/__init__.py", "")
+
+
 def _project_wheel(bundle):
     with tarfile.open(bundle) as tar:
         names = [n for n in tar.getnames() if n.startswith("wheels/shminfer-")]
@@ -80,7 +87,7 @@ def test_each_node_gets_the_wheel_of_its_architecture_reproducibly(tmp_path):
         (models / f"mlp{suffix}").write_bytes(b"model " + suffix.encode())
     for tag in NODES.values():  # the dependency wheels, as an air-gapped controller has them
         (wheelhouse / tag).mkdir(parents=True)
-        (wheelhouse / tag / "numpy-2.0-cp39-none-any.whl").write_bytes(b"not a real wheel")
+        _stand_in_wheel(wheelhouse / tag / "numpy-2.0-cp39-none-any.whl")
     _build(tmp_path, wheelhouse, models)
     first = {tag: (wheelhouse / f"bundle-{tag}.tar").read_bytes() for tag in NODES.values()}
 
@@ -121,7 +128,7 @@ def _air_gapped(tmp_path):
         (models / f"mlp{suffix}").write_bytes(b"model " + suffix.encode())
     for tag in NODES.values():
         (wheelhouse / tag).mkdir(parents=True)
-        (wheelhouse / tag / "numpy-2.0-cp39-none-any.whl").write_bytes(b"not a real wheel")
+        _stand_in_wheel(wheelhouse / tag / "numpy-2.0-cp39-none-any.whl")
     return wheelhouse, models
 
 
@@ -133,16 +140,16 @@ def test_built_wheels_given_as_artifacts_are_shipped_and_nothing_is_built(tmp_pa
     artifacts.mkdir()
     pure = artifacts / "shminfer-0.2.0-py3-none-any.whl"
     native = artifacts / f"shminfer-0.2.0-cp39-abi3-linux_{ARCH}.whl"
-    pure.write_bytes(b"the pure wheel")
-    native.write_bytes(b"the native wheel")
+    _stand_in_wheel(pure, "the_pure_wheel")
+    _stand_in_wheel(native, "the_native_wheel")
     _build(tmp_path, wheelhouse, models, rtfleet_runtime_shminfer_wheels=[str(pure), str(native)])
     assert _project_wheel(wheelhouse / f"bundle-{NODES['native']}.tar") == (
         native.name,
-        b"the native wheel",
+        native.read_bytes(),
     )
     assert _project_wheel(wheelhouse / f"bundle-{NODES['foreign']}.tar") == (
         pure.name,
-        b"the pure wheel",
+        pure.read_bytes(),
     )
     assert not (wheelhouse / "project" / "pure").exists() or not list(
         (wheelhouse / "project" / "pure").iterdir()
