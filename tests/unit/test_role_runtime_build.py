@@ -25,7 +25,7 @@ OTHER = "aarch64" if ARCH == "x86_64" else "x86_64"
 NODES = {"native": f"cp311-{ARCH}", "foreign": f"cp39-{OTHER}"}
 
 
-def _build(tmp_path, wheelhouse, models, expect_rc=0, **role_vars):
+def _build(tmp_path, wheelhouse, models, expect_rc=0, serial=None, **role_vars):
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(
         yaml.safe_dump({"nodes": {"hosts": {name: {"pytag": tag} for name, tag in NODES.items()}}})
@@ -35,6 +35,7 @@ def _build(tmp_path, wheelhouse, models, expect_rc=0, **role_vars):
             "name": "Build what the runtime role ships",
             "hosts": "nodes",
             "gather_facts": False,
+            **({"serial": serial} if serial else {}),
             "tasks": [
                 {"ansible.builtin.set_fact": {"__rtfleet_runtime_pytag": "{{ pytag }}"}},
                 {
@@ -130,6 +131,16 @@ def _air_gapped(tmp_path):
         (wheelhouse / tag).mkdir(parents=True)
         _stand_in_wheel(wheelhouse / tag / "numpy-2.0-cp39-none-any.whl")
     return wheelhouse, models
+
+
+def test_a_rollout_of_one_host_per_batch_builds_each_batchs_bundle(tmp_path):
+    """The rollout plays the roles a batch at a time (serial): a later batch's hosts have not
+    run the runtime's preflight yet, so the build may only look at this batch's hosts (the
+    two-host canary drill found it looking at every host of the play)."""
+    wheelhouse, models = _air_gapped(tmp_path)
+    _build(tmp_path, wheelhouse, models, serial=1)
+    for tag in NODES.values():
+        assert (wheelhouse / f"bundle-{tag}.tar").is_file(), tag
 
 
 def test_built_wheels_given_as_artifacts_are_shipped_and_nothing_is_built(tmp_path):
