@@ -12,8 +12,9 @@ Jinja2 templates of ``report_doc.py``)::
     out_dir/plots/<host>-cpu-max.png           worst latency per CPU against the limit
     out_dir/plots/<host>-smoke-latency.png     shminfer smoke round trip per unit
 
-The fleet passes when there is at least one tuned host and every tuned host passed its
-gate. Baseline hosts (the old VMs, measured before migration) are never gated: they are
+The fleet passes when there is at least one tuned host, every tuned host passed its gate
+and no host stopped in its migration (``stopped/<host>.json``, report_stopped.py).
+Baseline hosts (the old VMs, measured before migration) are never gated: they are
 the "before" column of the before/after table.
 """
 
@@ -48,6 +49,7 @@ from . import report_doc as doc
 from .report_containers import containers_blocks, containers_failed, load_containers
 from .report_drift import drift_blocks, load_drift
 from .report_refused import load_refused, refused_blocks
+from .report_stopped import load_stopped, stopped_blocks
 
 FLEET_SCHEMA_VERSION = 1
 DEFAULT_MAX_US = 100
@@ -124,8 +126,9 @@ def _evaluate(path, result):
     return entry
 
 
-def load_results(results_dirs, skip=()):
-    """[(path, validated result)] from every ``*.json`` in the directories, sorted."""
+def load_results(results_dirs, skip=(), allow_empty=False):
+    """[(path, validated result)] from every ``*.json`` in the directories, sorted.
+    ``allow_empty``: no result is no error (hosts that stopped before their post-check)."""
     if isinstance(results_dirs, (str, os.PathLike)):
         results_dirs = [results_dirs]
     skip = {Path(p).resolve() for p in skip}
@@ -150,7 +153,7 @@ def load_results(results_dirs, skip=()):
                 )
             seen[key] = path
             loaded.append((path, result))
-    if not loaded:
+    if not loaded and not allow_empty:
         raise ReportError(
             "no post-check results (*.json) in %s: run playbooks that include the post-check "
             "first" % ", ".join(str(d) for d in results_dirs)
@@ -213,26 +216,38 @@ def before_after(hosts):
     return rows
 
 
-def evaluate_fleet(results):
-    """The fleet.json document (without files) for [(path, result)]."""
+def evaluate_fleet(results, stopped=()):
+    """The fleet.json document (without files) for [(path, result)] and the hosts whose
+    migration stopped (report_stopped.load_stopped)."""
     hosts = [_evaluate(path, result) for path, result in results]
     tuned = [h for h in hosts if h["kind"] == "tuned"]
     failed = [h["host"] for h in tuned if not h["gate"]["passed"]]
-    if not tuned:
-        reason = "no tuned host in the results: nothing has been shown to pass"
-    elif failed:
-        reason = "%d of %d tuned host(s) failed: %s" % (len(failed), len(tuned), ", ".join(failed))
-    else:
-        reason = "all %d tuned host(s) passed" % len(tuned)
+    stopped_hosts = [e["host"] for e in stopped if e["host"] not in failed]
+    reasons = []
+    if failed:
+        reasons.append(
+            "%d of %d tuned host(s) failed: %s" % (len(failed), len(tuned), ", ".join(failed))
+        )
+    if stopped_hosts:
+        reasons.append(
+            "%d host(s) stopped in their migration: %s"
+            % (len(stopped_hosts), ", ".join(stopped_hosts))
+        )
+    if not reasons:
+        reasons.append(
+            "all %d tuned host(s) passed" % len(tuned)
+            if tuned
+            else "no tuned host in the results: nothing has been shown to pass"
+        )
     return {
         "schema": FLEET_SCHEMA_VERSION,
         "generated_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "verdict": {
-            "passed": bool(tuned) and not failed,
-            "reason": reason,
+            "passed": bool(tuned) and not failed and not stopped_hosts,
+            "reason": "; ".join(reasons),
             "tuned": len(tuned),
             "baseline": len(hosts) - len(tuned),
-            "failed_hosts": failed,
+            "failed_hosts": failed + stopped_hosts,
         },
         "hosts": hosts,
         "before_after": before_after(hosts),
@@ -735,6 +750,7 @@ def report_blocks(fleet):
                 "before-after",
             ),
         ]
+    out.extend(stopped_blocks(fleet.get("stopped")))
     out.extend(containers_blocks(fleet.get("containers")))
     out.extend(refused_blocks(fleet.get("refused")))
     out.extend(drift_blocks(fleet.get("drift")))
@@ -953,9 +969,12 @@ def build_report(results_dir, out_dir, plots=True):
     fleet_json = out_dir / "fleet.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     with _report_lock(out_dir):
-        results = load_results(results_dir, skip=[fleet_json])
-        fleet = evaluate_fleet(results)
         dirs = [results_dir] if isinstance(results_dir, (str, os.PathLike)) else list(results_dir)
+        # playbooks/rollout.yml's rescue: <results>/stopped/*.json, a host's failed step.
+        stopped = load_stopped(d for d in dirs if Path(d).is_dir())
+        results = load_results(results_dir, skip=[fleet_json], allow_empty=bool(stopped))
+        fleet = evaluate_fleet(results, stopped)
+        fleet["stopped"] = stopped
         fleet["results"] = [str(d) for d in dirs]
         fleet["drift"] = load_drift(dirs)  # playbooks/verify.yml: <results>/drift/*.json
         fleet["refused"] = load_refused(dirs)  # playbooks/assess.yml: <results>/refused/*.json

@@ -339,7 +339,9 @@ def test_rescue_path_writes_the_report_once_per_batch():
 
     play = yaml.safe_load((REPO / "playbooks/rollout.yml").read_text())[-1]
     rescue = next(t for t in play["tasks"] if t["name"] == "Migrate this host")["rescue"]
-    report = next(t for t in rescue if t.get("ansible.builtin.include_role", {}).get("tasks_from"))
+    report = next(
+        t for t in rescue if t.get("ansible.builtin.include_role", {}).get("tasks_from") == "report"
+    )
     assert report.get("run_once") is True
 
 
@@ -528,3 +530,63 @@ def test_hostile_strings_in_a_result_are_escaped_in_html_and_markdown(tmp_path):
     assert not re.search(r"(?<!\\)<(script|img|/script)", outside_code)
     assert "\\<script>alert(1)\\</script>" in markdown
     assert "- cmdline: `quiet 'rm -rf /' <b>`" in markdown
+
+
+def _stopped(results: Path, host: str, task: str, message: str) -> None:
+    (results / "stopped").mkdir(parents=True, exist_ok=True)
+    record = {"schema": 1, "host": host, "task": task, "message": message, "at": "2026-12-05"}
+    (results / "stopped" / f"{host}.json").write_text(json.dumps(record))
+
+
+def test_a_host_that_stopped_before_its_post_check_is_in_the_report_and_fails_it(tmp_path):
+    """The rollout's rescue records where a host stopped (roles/rtfleet_postcheck/tasks/
+    stopped.yml): with no post-check result at all the report still builds and says why;
+    a host whose older result passed fails the fleet once it stopped in a later run."""
+    results = tmp_path / "results"
+    _stopped(results, "canary", "Verify the trial boot", "the trial boot <b>does not</b> match")
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    assert fleet["verdict"]["passed"] is False
+    assert fleet["verdict"]["failed_hosts"] == ["canary"]
+    assert "1 host(s) stopped in their migration: canary" in fleet["verdict"]["reason"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "## Stopped migrations" in md and "Verify the trial boot" in md
+    assert "<b>does not</b>" not in html and "<b>does not</b>" not in md
+
+    results2 = write_results(tmp_path / "r2", [host_result("epyc1"), host_result("epyc2")])
+    assert build_report(results2, tmp_path / "o2", plots=False)["verdict"]["passed"] is True
+    _stopped(results2, "epyc2", "Deploy the inference runtime", "unit did not start")
+    (tmp_path / "r2" / "stopped" / "bad.json").write_text("{not json")
+    fleet = build_report(results2, tmp_path / "o2", plots=False)
+    assert fleet["verdict"]["passed"] is False
+    assert fleet["verdict"]["failed_hosts"] == ["bad", "epyc2"]
+    assert "unreadable record" in (tmp_path / "o2" / "report.md").read_text()
+    # Without results and without a stopped record, an empty directory is still an error.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="no post-check results"):
+        build_report(tmp_path / "empty", tmp_path / "o3", plots=False)
+
+
+def _two_local_hosts(tmp_path) -> Path:
+    inventory = tmp_path / "hosts.yml"
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory.write_text(json.dumps({"rack1": {"hosts": {"n1": local, "n2": local}}}))
+    return inventory
+
+
+@pytest.mark.parametrize("limit", ["n1", "rack1"])
+def test_the_report_play_runs_under_limit(tmp_path, limit):
+    """`ansible-playbook site.yml -l rack1` leaves localhost out of every play: the report
+    play targets the flow's hosts and runs once on the controller (it was skipped: "no hosts
+    matched")."""
+    write_results(tmp_path / "results", [host_result("n1")])
+    run = run_local_playbook(
+        REPO / "playbooks" / "report.yml",
+        "-i", str(_two_local_hosts(tmp_path)),
+        "--limit", limit,
+        RTFLEET_REPORT_DIR=str(tmp_path),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "no hosts matched" not in run.stdout
+    assert json.loads((tmp_path / "fleet.json").read_text())["verdict"]["passed"] is True
+    assert run.stdout.count("TASK [rtfleet.fleet.rtfleet_postcheck : Build the fleet report]") == 1

@@ -7,6 +7,7 @@ own "PLAY [...]" header in the output) and a host that cannot be reached counts 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -179,3 +180,18 @@ def test_bad_batch_settings_stop_before_any_host_changes(tmp_path, group_vars, h
     run, started = _rollout(tmp_path, group_vars, host_vars)
     assert run.returncode != 0 and started == []
     assert "rtfleet_serial must be one value for all targeted hosts" in run.stdout
+
+
+def test_a_host_that_fails_a_step_is_in_the_report_with_the_task_it_stopped_at(tmp_path):
+    """The canary's host step fails (a bad kernel flavour fails the role's argument spec):
+    its rescue records where it stopped and writes the report so far, which builds without
+    any post-check result and fails the fleet naming the host and the task."""
+    run, started = _rollout(tmp_path, {})
+    assert run.returncode != 0 and started == ["n1"], run.stdout[-3000:]
+    record = json.loads((tmp_path / "report/results/stopped/n1.json").read_text())
+    assert record["host"] == "n1" and "arg spec" in record["task"], record
+    assert "rtfleet_host_kernel_flavour" in record["message"], record
+    fleet = json.loads((tmp_path / "report/fleet.json").read_text())
+    assert fleet["verdict"]["passed"] is False and fleet["verdict"]["failed_hosts"] == ["n1"]
+    assert "Stopped migrations" in (tmp_path / "report/report.md").read_text()
+    assert not (tmp_path / "report/results/stopped/n2.json").exists()
