@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import tarfile
 from pathlib import Path
 
@@ -382,3 +383,27 @@ def test_the_runtime_contract_matches_shminfers():
 
     assert sampler.RUN_DIR == DEFAULT_DIR
     assert sampler.THREAD_ENV == THREAD_ENV
+
+
+def test_the_samplers_playbook_writes_the_manifest_under_limit(plans, tmp_path):
+    """`-l rack1` leaves localhost out of every play; the manifest play runs once on the
+    controller for the limited hosts (it was skipped: no manifest, and the container play
+    after it failed on the class figures it never set)."""
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plans["lab-server-nps2"]))
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(json.dumps({"rack1": {"hosts": {"n1": local, "n2": local}}}))
+    out = tmp_path / "manifests"
+    run = run_local_playbook(
+        REPO / "playbooks/samplers.yml",
+        "-i", str(inventory),
+        "--limit", "rack1",
+        "-e", f"rtfleet_runtime_plan_file={plan_file}",
+        "-e", f"rtfleet_sampler_manifest_dir={out}",
+        "-e", "rtfleet_runtime_group=root rtfleet_runtime_user=root rtfleet_host_class=lab",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "no hosts matched" not in run.stdout
+    assert check_manifest_text((out / "sampler-lab.yaml").read_text(), gid=0) == []
+    assert run.stdout.count("TASK [Write it]") == 1, run.stdout[-3000:]
