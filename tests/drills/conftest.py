@@ -29,12 +29,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-HOST = "drill"
+# RTFLEET_DRILL_HOST names a lab host that is already up and converged (CI's site scenario
+# runs the drills marked `ci` on its server host): the drills then use it as it is, in the
+# lab state of $RTFLEET_LAB_DIR (default lab/.state), and neither boot nor remove it.
+ATTACHED = os.environ.get("RTFLEET_DRILL_HOST", "")
+HOST = ATTACHED or "drill"
+# A second lab host, booted only for the drills of a rollout over two hosts (a canary and
+# the batch after it, a batch of two that loses one).
+PEER = "drill2"
 TOPOLOGY = os.environ.get("RTFLEET_DRILL_TOPOLOGY", "epyc-2ccx")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "drill: a fault drill on a lab VM (make drills)")
+    config.addinivalue_line(
+        "markers",
+        "ci: a drill without a reboot of its own that CI's site scenario runs on its converged "
+        "server host (RTFLEET_DRILL_HOST)",
+    )
 
 
 @dataclass
@@ -92,32 +104,41 @@ class Lab:
             raise AssertionError(f"rtfleet lab {' '.join(args)}: {result.stdout}{result.stderr}")
         return result
 
-    def ssh(self, command: str, check: bool = True, timeout: float = 120, stdin: str = "") -> str:
+    def ssh(
+        self,
+        command: str,
+        check: bool = True,
+        timeout: float = 120,
+        stdin: str = "",
+        host: str = HOST,
+    ) -> str:
         """`command` run by sh as root on the drill host (ssh joins its arguments into one
         line for the remote shell, so the command travels quoted as one word)."""
         remote = "sudo sh -c " + shlex.quote(command)
-        result = self.cli("ssh", HOST, "--", remote, check=False, timeout=timeout, stdin=stdin)
+        result = self.cli("ssh", host, "--", remote, check=False, timeout=timeout, stdin=stdin)
         if check and result.returncode != 0:
-            raise AssertionError(f"on {HOST}: {command}: rc {result.returncode}: {result.stderr}")
+            raise AssertionError(f"on {host}: {command}: rc {result.returncode}: {result.stderr}")
         return result.stdout
 
-    def qemu_pid(self) -> int | None:
+    def qemu_pid(self, host: str = HOST) -> int | None:
         status = json.loads(self.cli("status", "--format", "json").stdout)
         for row in status["hosts"]:
-            if row["host"] == HOST and row["alive"]:
+            if row["host"] == host and row["alive"]:
                 return row["pid"]
         return None
 
-    def playbook(self, playbook: str, *args: str, fault=None, timeout: float = 3600) -> Run:
-        """ansible-playbook PLAYBOOK ARGS against the drill host. `fault` is (pattern, action):
-        when a line of the output matches, action(proc) injects the fault once and returns a
-        description of what it did."""
+    def playbook(
+        self, playbook: str, *args: str, fault=None, timeout: float = 3600, limit: str = HOST
+    ) -> Run:
+        """ansible-playbook PLAYBOOK ARGS against the drill host (or `limit`). `fault` is
+        (pattern, action): when a line of the output matches, action(proc) injects the fault
+        once and returns a description of what it did."""
         self.runs += 1
         argv = [
             str(BIN / "ansible-playbook"),
             "-i", str(REPO / "inventory/lab"),
             "-i", str(self.state / "inventory.yml"),
-            playbook, "-l", HOST, *args,
+            playbook, "-l", limit, *args,
         ]  # fmt: skip
         log = self.logs / f"run{self.runs:02d}-{Path(playbook).stem}.log"
         start = time.monotonic()
@@ -156,9 +177,9 @@ class Lab:
             returncode = proc.wait()
         return Run(argv, returncode, "".join(lines), time.monotonic() - start, faults)
 
-    def drift(self) -> dict:
+    def drift(self, host: str = HOST) -> dict:
         """The drift guard's own verdict on the host, checking only (no repair)."""
-        text = self.ssh("/usr/local/sbin/rtfleet-drift --check --json", check=False)
+        text = self.ssh("/usr/local/sbin/rtfleet-drift --check --json", check=False, host=host)
         return json.loads(text)
 
 
@@ -176,6 +197,13 @@ def lab(tmp_path_factory):
     logs = Path(os.environ.get("RTFLEET_DRILL_LOGS", REPO / ".logs" / "drills"))
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
+    if ATTACHED:
+        lab_dir = os.environ.get("RTFLEET_LAB_DIR")
+        drills = Lab(Path(lab_dir).resolve() if lab_dir else REPO / "lab" / ".state", logs)
+        if drills.qemu_pid() is None:
+            pytest.fail(f"RTFLEET_DRILL_HOST={HOST} is not a running lab host in {drills.state}")
+        yield drills
+        return
     state = tmp_path_factory.mktemp("drill-lab")
     drills = Lab(state, logs)
     drills.cli("image")
@@ -190,3 +218,14 @@ def lab(tmp_path_factory):
             ["pgrep", "-f", f"qemu-system.*{state}"], capture_output=True, text=True, check=False
         )
         assert left.stdout.strip() == "", f"QEMU left running after the drills: {left.stdout}"
+
+
+@pytest.fixture(scope="session")
+def peer(lab):
+    """The second lab host, booted when a drill first needs it; removed with the first."""
+    if ATTACHED:
+        pytest.skip("drills over two hosts boot their own; not with RTFLEET_DRILL_HOST")
+    start = time.monotonic()
+    lab.cli("up", f"{PEER}={TOPOLOGY}", "--disk-cache", "writeback")
+    print(f"\n{PEER} ({TOPOLOGY}) up after {time.monotonic() - start:.0f} s")
+    return PEER

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, HOST, REPO, kill_controller
+from conftest import ATTACHED, BIN, HOST, REPO, kill_controller
 
 FILES = Path(__file__).resolve().parent / "files"
 
@@ -85,6 +85,19 @@ KUBELET = ["-e", f"rtfleet_kubelet_binary={INJECTOR}"]
 DROPIN = "/etc/kubernetes/kubelet.conf.d/90-rtfleet.conf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_stand_in_left_on_an_attached_host(lab):
+    """On a host the drills only borrowed, the fault injector goes with them (on the drills'
+    own host the restore drill removes it)."""
+    yield
+    if ATTACHED:
+        lab.ssh(
+            "systemctl disable --now kubelet.service; rm -f /etc/systemd/system/kubelet.service "
+            f"{INJECTOR}; systemctl daemon-reload",
+            check=False,
+        )
+
+
 def _unit_active(lab) -> str:
     return lab.ssh("systemctl is-active kubelet.service || true").strip()
 
@@ -98,6 +111,7 @@ def _healthz(lab) -> str:
     return lab.ssh(f'python3 -c "{HEALTHZ}" || true').strip()
 
 
+@pytest.mark.ci
 def test_kubelet_stand_in_is_installed_and_converges(lab):
     """The fault injector in kubelet.service's place (tests/drills/files): not a kubelet."""
     lab.ssh(
@@ -136,6 +150,7 @@ def test_controller_killed_between_kubelets_stop_and_start(lab):
         lab.ssh(f"test -s /var/lib/rtfleet/kubelet-backups/{backup}/rtfleet-change.json")
 
 
+@pytest.mark.ci
 def test_kubelet_refuses_the_new_configuration(lab):
     before = lab.ssh(f"cat {DROPIN}")
     since = lab.ssh("date +%s").strip()
@@ -249,6 +264,7 @@ def _fill(lab, leave_mib: int) -> str:
     return f"disk filled ({size >> 20} MiB), {leave_mib} MiB left"
 
 
+@pytest.mark.ci
 def test_a_full_disk_refuses_a_new_release_and_changes_nothing(lab, models):
     before, pids = _link(lab, "current"), _main_pids(lab)
     _fill(lab, 64)
@@ -349,6 +365,141 @@ def test_a_release_that_does_not_load_goes_back_to_the_previous(lab, models):
     _probe_all(lab)
     # The good model again: nothing to change.
     assert _runtime_converged(lab, *models["c"]) == good
+
+
+# --------------------------------------------------------------------------- two hosts
+# site.yml over the drill host and a second, fresh lab host (PEER): the rollout's batches.
+
+SITE = "site.yml"
+ROLLING_PLAY = "PLAY [Roll out rtfleet, a batch at a time]"
+# What rtfleet writes on a host (the host step's records, GRUB, drop-ins, units, the runtime).
+WRITTEN = (
+    "/etc/rtfleet /etc/default /etc/sysctl.d /etc/systemd /etc/kubernetes /etc/tuned /boot "
+    "/opt /usr/local /var/lib/rtfleet /var/lib/shminfer"
+)
+UNTOUCHED_MARK = "/run/rtfleet-drill-untouched"
+
+
+def _site_args(lab, models) -> list[str]:
+    """site.yml's arguments that change nothing on a drill host the earlier drills left
+    converged: its own command-line marker, the kubelet stand-in when it is installed, the
+    runtime's current model set. On a fresh host the same arguments make a first rollout."""
+    args = list(models["c"])
+    n = drill_marker(lab)
+    if n is not None:
+        args += marker(n)
+    if lab.ssh(f"test -x {INJECTOR} && echo yes || true").strip() == "yes":
+        args += KUBELET
+    return args
+
+
+def _mark_untouched(lab, host: str) -> str:
+    lab.ssh(f"touch {UNTOUCHED_MARK}", host=host)
+    return lab.ssh("cat /proc/sys/kernel/random/boot_id", host=host).strip()
+
+
+def _written_since_mark(lab, host: str) -> list[str]:
+    found = lab.ssh(f"find {WRITTEN} -newer {UNTOUCHED_MARK} 2>/dev/null | sort || true", host=host)
+    return found.split()
+
+
+def _rolling_lines(run, host: str) -> list[str]:
+    """The lines of the rolling play (the batches) that name `host`."""
+    rolling = run.output.split(ROLLING_PLAY, 1)
+    assert len(rolling) == 2, f"the rolling play never started\n{run.tail()}"
+    body = rolling[1].split("PLAY RECAP", 1)[0]
+    return [line for line in body.splitlines() if re.search(r"\[%s[\]\s-]" % host, line)]
+
+
+def test_the_canary_fails_its_gate_and_no_later_batch_starts(lab, peer, models):
+    """Default batches (a canary of one host, then the rest); the canary's smoke gate set
+    to a p99 no host can meet (1 us)."""
+    boot_id = _mark_untouched(lab, peer)
+    run = lab.playbook(
+        SITE,
+        *_site_args(lab, models),
+        "-e", "rtfleet_postcheck_smoke_max_p99_ms=0.001",
+        limit=f"{HOST},{peer}",
+    )  # fmt: skip
+    (lab.logs / "canary-report.md").write_text(
+        (lab.logs / "report" / "report.md").read_text()
+        if (lab.logs / "report" / "report.md").exists()
+        else ""
+    )
+    assert run.returncode != 0, run.tail()
+    assert "Record the hosts this batch starts with" in run.output
+    # The fault happened: the canary's smoke gate failed on its threshold.
+    flat = " ".join(run.output.split())  # Ansible folds long messages
+    assert re.search(r"smoke .*latency p99 [0-9.]+ ms > 0.001 ms", flat), run.tail()
+    assert f'{HOST} failed at "' in flat and "stays cordoned" in flat, run.tail()
+    # The canary is never uncordoned; the batch after it never started: PEER is named
+    # nowhere in the rolling play, and nothing rtfleet writes changed on it, no reboot.
+    assert "TASK [Uncordon]" not in run.output
+    assert _rolling_lines(run, peer) == [], _rolling_lines(run, peer)
+    assert _written_since_mark(lab, peer) == []
+    assert lab.ssh("cat /proc/sys/kernel/random/boot_id", host=peer).strip() == boot_id
+    # The report says why: the canary failed, with the gate's line.
+    fleet = json.loads((lab.logs / "report" / "fleet.json").read_text())
+    assert fleet["verdict"]["failed_hosts"] == [HOST], fleet["verdict"]
+    canary = next(h for h in fleet["hosts"] if h["host"] == HOST)
+    assert any("> 0.001 ms" in f for f in canary["gate"]["failures"]), canary["gate"]
+    assert peer not in {h["host"] for h in fleet["hosts"]}
+    assert [e["host"] for e in fleet["stopped"]] == [HOST], fleet["stopped"]
+
+
+# The peer's host step, half done: its sysctls persisted, rtfleet-host-tune installed and
+# enabled, the system slices about to be confined; no GRUB write, no plan record yet.
+PEER_CUT = r"^TASK \[rtfleet\.fleet\.rtfleet_host : Confine the system slices to the housekeeping"
+
+
+def test_a_host_lost_in_the_middle_of_a_batch_is_counted_and_the_rest_go_on(lab, peer, models):
+    """One batch of both hosts, rtfleet_max_fail_percentage 50; PEER's power cut in the
+    middle of its host step (QEMU killed: from the controller it is unreachable)."""
+
+    def cut(proc) -> str:
+        pid = lab.qemu_pid(peer)
+        lab.cli("power", peer, "off")
+        return f"power cut of {peer} (QEMU {pid} killed) in the middle of its host step"
+
+    settings = {"rtfleet_serial": 2, "rtfleet_max_fail_percentage": 50}
+    run = lab.playbook(
+        SITE,
+        *_site_args(lab, models),
+        "-e", json.dumps(settings),
+        limit=f"{HOST},{peer}",
+        fault=(PEER_CUT, cut),
+    )  # fmt: skip
+    assert run.faults, f"the run never reached {PEER_CUT}: no fault was injected\n{run.tail()}"
+    assert lab.qemu_pid(peer) is None, "QEMU of the peer still runs: the power was not cut"
+    assert re.search(r"2 host\(s\), batches of \[?2\]?, stopping when more than 50 %", run.output)
+    # PEER counted as lost, within 50 %: the rollout went on (the report play ran) and
+    # HOST ran its migration to the end, gates passed and uncordoned.
+    flat = " ".join(run.output.split())  # Ansible folds long messages
+    assert run.recap(peer).get("unreachable", 0) >= 1, run.recap(peer)
+    assert f"1 of 2 host(s) of this batch failed or were unreachable ({peer})" in flat
+    assert "is within rtfleet_max_fail_percentage 50 %" in flat, run.tail()
+    assert run.recap(HOST).get("failed", 1) == 0, run.tail()
+    assert re.search(r"^TASK \[Uncordon\]", run.output, re.M), run.tail()
+    assert run.returncode != 0  # a host was lost: the run says so
+    # The flow went on to its report (under --limit too), which names the lost host.
+    fleet = json.loads((lab.logs / "report" / "fleet.json").read_text())
+    assert [(e["host"], e["task"]) for e in fleet["stopped"]] == [(peer, "(unreachable)")]
+    assert fleet["verdict"]["failed_hosts"] == [peer], fleet["verdict"]
+
+    # PEER powered on: it boots (the host step never reached GRUB), and a plain re-run of
+    # site.yml takes it to the end: the trial boot verified, the drift guard finds nothing.
+    lab.cli("power", peer, "on")
+    grubenv_text = lab.ssh("grub-editenv /boot/grub/grubenv list", host=peer)
+    assert "next_entry=rtfleet" not in grubenv_text, grubenv_text
+    again = lab.playbook(SITE, *models["c"], *_kubelet_if_installed(lab, peer), limit=peer)
+    assert again.returncode == 0, again.tail()
+    drift = lab.drift(peer)
+    bad = {k: v for k, v in drift["checks"].items() if k in DRIFT_CHECKS and v["status"] == "drift"}
+    assert not bad, json.dumps(bad, indent=1)
+
+
+def _kubelet_if_installed(lab, host: str) -> list[str]:
+    return KUBELET if lab.ssh(f"test -x {INJECTOR} && echo yes || true", host=host).strip() else []
 
 
 # --------------------------------------------------------------------------- undo
