@@ -388,9 +388,7 @@ def _site_args(lab, models) -> list[str]:
     n = drill_marker(lab)
     if n is not None:
         args += marker(n)
-    if lab.ssh(f"test -x {INJECTOR} && echo yes || true").strip() == "yes":
-        args += KUBELET
-    return args
+    return args + _kubelet_if_installed(lab, HOST)
 
 
 def _mark_untouched(lab, host: str) -> str:
