@@ -29,7 +29,7 @@ CHANGES_A_HOST = {
 ANY_HOST = {
     "rtfleet_host": ["plan", "platform"],
     "rtfleet_runtime": ["bundle"],
-    "rtfleet_postcheck": ["report", "refused"],
+    "rtfleet_postcheck": ["report", "refused", "stopped"],
 }
 REFUSAL = "Refuse a distribution rtfleet does not run on"
 WRITE = "Write what stopped each entry point"
