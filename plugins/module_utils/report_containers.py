@@ -12,7 +12,6 @@ and whether its smoke gates held. No kubelet ran; the section says so.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from . import report_doc as doc
 from .topology import TopologyError, format_cpulist, parse_cpulist
@@ -36,27 +35,19 @@ NOTE = (
 def load_containers(results_dirs):
     """[entry] from every ``<dir>/containers/*.json``; an unreadable file or a run that
     printed no result is an entry with ``error`` (the report still builds)."""
-    entries = []
-    for directory in results_dirs:
-        for path in sorted((Path(directory) / "containers").glob("*.json")):
-            entries.append(_entry(path))
-    return entries
+    return doc.load_records(results_dirs, "containers", _entry)
 
 
-def _entry(path):
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        entry = {
-            "host": str(record["host"]),
-            "source": str(path),
-            "runtime": str(record["runtime"]),
-            "image": str(record["image"]),
-            "argv": [str(a) for a in record["argv"]],
-            "cpus": [int(c) for c in record["cpus"]],
-            "numa_node": int(record["numa_node"]),
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return {"host": path.stem, "source": str(path), "error": str(exc)}
+def _entry(record, path):
+    entry = {
+        "host": str(record["host"]),
+        "source": str(path),
+        "runtime": str(record["runtime"]),
+        "image": str(record["image"]),
+        "argv": [str(a) for a in record["argv"]],
+        "cpus": [int(c) for c in record["cpus"]],
+        "numa_node": int(record["numa_node"]),
+    }
     try:
         smoke = json.loads(record.get("stdout") or "")
         choice = smoke.get("choice") or {}

@@ -20,6 +20,9 @@ Blocks (dicts with a ``kind``):
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 try:  # the report renders on the controller, where Ansible's own Jinja2 is
     import jinja2
     from markupsafe import Markup
@@ -30,6 +33,24 @@ except ImportError as exc:
     JINJA2_IMPORT_ERROR = exc
 
 STATUS_CLASSES = {"PASS": "pass", "FAIL": "fail", "DRIFT": "fail"}
+# What a record that cannot be read or parsed raises; it becomes an entry with ``error``.
+RECORD_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def load_records(results_dirs, kind, parse):
+    """[entry] of one section from every ``<dir>/<kind>/*.json``, in name order:
+    ``parse(record, path)`` builds each entry from the JSON record; a file that cannot be
+    read or parsed is an entry ``{"host", "source", "error"}`` (named after the file), so
+    the report still builds and still lists the host."""
+    entries = []
+    for directory in results_dirs:
+        for path in sorted((Path(directory) / kind).glob("*.json")):
+            try:
+                entry = parse(json.loads(path.read_text(encoding="utf-8")), path)
+            except RECORD_ERRORS as exc:
+                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
+            entries.append(entry)
+    return entries
 
 
 def heading(level, text, anchor=None):

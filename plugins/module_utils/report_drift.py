@@ -9,9 +9,6 @@ post-check's); it says which hosts no longer run what was verified.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .drift_checks import CHECKS as CHECK_ORDER
 from . import report_doc as doc
 
@@ -19,33 +16,28 @@ from . import report_doc as doc
 def load_drift(results_dirs):
     """[host entry] from every ``<dir>/drift/*.json``; an unreadable file is an entry with
     ``error`` (the report still builds)."""
-    entries = []
-    for directory in results_dirs:
-        for path in sorted((Path(directory) / "drift").glob("*.json")):
-            try:
-                result = json.loads(path.read_text(encoding="utf-8"))
-                checks = result["checks"]
-                entry = {
-                    "host": result.get("inventory_host") or result["host"],
-                    "source": str(path),
-                    "checked_at": result.get("checked_at"),
-                    "mode": result.get("mode"),
-                    "drift": bool(result.get("drift")),
-                    "repinned_irqs": len(checks["irqs"].get("repinned") or []),
-                    "would_repin_irqs": len(checks["irqs"].get("would_repin") or []),
-                    "unmovable_irqs": list(checks["irqs"].get("unmovable") or []),
-                    "checks": {
-                        name: {
-                            "status": check["status"],
-                            "details": list(check.get("details") or []),
-                        }
-                        for name, check in checks.items()
-                    },
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
-            entries.append(entry)
-    return entries
+    return doc.load_records(results_dirs, "drift", _parse)
+
+
+def _parse(result, path):
+    checks = result["checks"]
+    return {
+        "host": result.get("inventory_host") or result["host"],
+        "source": str(path),
+        "checked_at": result.get("checked_at"),
+        "mode": result.get("mode"),
+        "drift": bool(result.get("drift")),
+        "repinned_irqs": len(checks["irqs"].get("repinned") or []),
+        "would_repin_irqs": len(checks["irqs"].get("would_repin") or []),
+        "unmovable_irqs": list(checks["irqs"].get("unmovable") or []),
+        "checks": {
+            name: {
+                "status": check["status"],
+                "details": list(check.get("details") or []),
+            }
+            for name, check in checks.items()
+        },
+    }
 
 
 def _names(checks, *statuses):

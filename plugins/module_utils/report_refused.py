@@ -9,8 +9,6 @@ beside the before/after table that the same hosts' baseline measurements feed.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from . import report_doc as doc
 
 _COLUMNS = ("host", "hypervisor", "shown to the guest", "verdict")
@@ -19,24 +17,19 @@ _COLUMNS = ("host", "hypervisor", "shown to the guest", "verdict")
 def load_refused(results_dirs):
     """[entry] from every ``<dir>/refused/*.json``; an unreadable file is an entry with
     ``error`` (the report still builds)."""
-    entries = []
-    for directory in results_dirs:
-        for path in sorted((Path(directory) / "refused").glob("*.json")):
-            try:
-                record = json.loads(path.read_text(encoding="utf-8"))
-                shown = record.get("shown") or {}
-                entry = {
-                    "host": str(record["host"]),
-                    "source": str(path),
-                    "summary": str(record["summary"]),
-                    "evidence": [str(e) for e in record["evidence"]],
-                    "hypervisor": record.get("hypervisor"),
-                    "shown": {k: int(v) for k, v in shown.items()},
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
-            entries.append(entry)
-    return entries
+    return doc.load_records(results_dirs, "refused", _parse)
+
+
+def _parse(record, path):
+    shown = record.get("shown") or {}
+    return {
+        "host": str(record["host"]),
+        "source": str(path),
+        "summary": str(record["summary"]),
+        "evidence": [str(e) for e in record["evidence"]],
+        "hypervisor": record.get("hypervisor"),
+        "shown": {k: int(v) for k, v in shown.items()},
+    }
 
 
 def _shown(entry):

@@ -10,9 +10,6 @@ list; a stopped host fails the fleet even when an older post-check result of it 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from . import report_doc as doc
 
 _COLUMNS = ("host", "stopped at", "why", "when")
@@ -21,22 +18,17 @@ _COLUMNS = ("host", "stopped at", "why", "when")
 def load_stopped(results_dirs):
     """[entry] from every ``<dir>/stopped/*.json``; an unreadable file is an entry with
     ``error`` (the report still builds, and the host still counts as stopped)."""
-    entries = []
-    for directory in results_dirs:
-        for path in sorted((Path(directory) / "stopped").glob("*.json")):
-            try:
-                record = json.loads(path.read_text(encoding="utf-8"))
-                entry = {
-                    "host": str(record["host"]),
-                    "source": str(path),
-                    "task": str(record["task"]),
-                    "message": str(record["message"]),
-                    "at": str(record.get("at") or ""),
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
-            entries.append(entry)
-    return entries
+    return doc.load_records(results_dirs, "stopped", _parse)
+
+
+def _parse(record, path):
+    return {
+        "host": str(record["host"]),
+        "source": str(path),
+        "task": str(record["task"]),
+        "message": str(record["message"]),
+        "at": str(record.get("at") or ""),
+    }
 
 
 def _row(entry):

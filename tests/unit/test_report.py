@@ -567,6 +567,27 @@ def test_a_host_that_stopped_before_its_post_check_is_in_the_report_and_fails_it
         build_report(tmp_path / "empty", tmp_path / "o3", plots=False)
 
 
+@pytest.mark.parametrize("kind", ["refused", "stopped", "drift", "containers"])
+def test_every_section_reads_a_broken_record_as_an_error_entry(tmp_path, kind):
+    """The records of every section are read by one loader (report_doc.load_records): a
+    record that is not JSON, not an object, missing its fields, not UTF-8, or not a file is
+    an entry of its own with the error, and the report still builds and names the host."""
+    results = write_results(tmp_path / "r", [host_result("epyc1")])
+    records = results / kind
+    records.mkdir()
+    (records / "text.json").write_text("{not json")
+    (records / "list.json").write_text("[1, 2]")
+    (records / "empty.json").write_text("{}")
+    (records / "binary.json").write_bytes(b"\xff\xfe\x00{")
+    (records / "dir.json").mkdir()
+    fleet = build_report(results, tmp_path / "out", plots=False)
+    entries = fleet[kind]
+    assert sorted(e["host"] for e in entries) == ["binary", "dir", "empty", "list", "text"]
+    assert all(e["error"] for e in entries), entries
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "text" in md and "dir" in md
+
+
 def _two_local_hosts(tmp_path) -> Path:
     inventory = tmp_path / "hosts.yml"
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
