@@ -15,7 +15,7 @@ import weakref
 import numpy as np
 
 from shminfer import _sys
-from shminfer.codec import Decoder, Encoder, PayloadError
+from shminfer.codec import Decoder, Encoder, PayloadError, TooLarge
 from shminfer.queue import (
     DONE,
     ERROR,
@@ -409,19 +409,21 @@ class Client:
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
+            if port is not None:
+                lane.teach_send(slot)  # the next request of this layout goes through port.send
         except PayloadError as exc:
             words[slot] = FREE
             lane.free.append(slot)
-            raise PayloadError(
-                f"request refused: {exc}; send smaller batches or start the server with a "
-                "larger --request-bytes"
-            ) from None
+            hint = (
+                "; send smaller batches or start the server with a larger --request-bytes"
+                if isinstance(exc, TooLarge)
+                else ""
+            )
+            raise PayloadError(f"request refused: {exc}{hint}") from None
         except BaseException:
             words[slot] = FREE
             lane.free.append(slot)
             raise
-        if port is not None:
-            lane.teach_send(slot)  # the next request of this layout goes through port.send
         if fast is not None:
             # request_len, seq, enqueue_ns, READY, doorbell: the same stores, in C.
             fast.publish(slot_addr, state_addr, seg.header_addr, length, seq)
