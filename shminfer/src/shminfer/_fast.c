@@ -643,6 +643,8 @@ scan:
     /* The claim, as Worker._claim: recorded before PROCESSING; then the tag, read once. */
     __atomic_store_n(&self->claims[index], 1u, __ATOMIC_RELAXED);
     __atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_PROCESSING, __ATOMIC_RELEASE);
+    if (self->status) /* claims made: progress, for the supervisor's health check */
+        __atomic_add_fetch(self->status + 1, 1, __ATOMIC_RELAXED);
     tag = *(volatile uint64_t *)(slot + S_SEQ);
     start_ns = monotonic_ns();
     *(volatile uint64_t *)(slot + S_START_NS) = start_ns;

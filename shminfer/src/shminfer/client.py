@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -183,17 +184,14 @@ def attach(name: str, slots_per_worker: int, timeout: float):
     fds = []
     try:
         sock.settimeout(max(timeout, 0.01))
-        try:
-            sock.connect(path)
-        except PermissionError:
-            raise QueueError(not_in_group(path, st.st_gid)) from None
-        except (ConnectionRefusedError, FileNotFoundError):
-            raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
+        _connect(sock, name, path, st, time.monotonic() + max(timeout, 0.01))
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _peer_pid, peer_uid, _peer_gid = struct.unpack("3i", creds)
         if peer_uid != st.st_uid:
             raise QueueError(f"{path}: the server runs as uid {peer_uid}, not the socket's owner")
-        sock.sendall(json.dumps({"slots": slots_per_worker}).encode() + b"\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # A server that refused at once (its connection cap) said why: read it below.
+            sock.sendall(json.dumps({"slots": slots_per_worker}).encode() + b"\n")
         raw, fds, _flags, _addr = socket.recv_fds(sock, _MAX_ANSWER, 64)
         if not raw.endswith(b"\n"):
             raise QueueError(f"server {name}: truncated answer on {path}")
@@ -234,6 +232,26 @@ def attach(name: str, slots_per_worker: int, timeout: float):
             os.close(fd)
         sock.close()
         raise
+
+
+def _connect(sock, name, path, st, deadline):
+    """Connect, retrying while the server's listen backlog is full (EAGAIN on a unix
+    socket) until ``deadline``; each failure is one line."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except PermissionError:
+            raise QueueError(not_in_group(path, st.st_gid)) from None
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise QueueError(
+                    f"server {name}: its listen backlog is full ({path}: too many clients "
+                    "connecting at once, or the server is not accepting); try again later"
+                ) from None
+            time.sleep(0.01)
 
 
 def _closed(sock) -> bool:

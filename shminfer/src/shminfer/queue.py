@@ -172,6 +172,21 @@ def _geometry(slot_count, request_bytes, response_bytes, ring_records):
     return states, table, requests, responses, ring, _round_page(total)
 
 
+RING_RECORDS = 8192
+
+
+def slot_bytes(value: int) -> int:
+    """A slot's request or response size as a segment lays it out (64-byte multiples)."""
+    return (int(value) + 63) // 64 * 64
+
+
+def segment_bytes(slot_count, request_bytes, response_bytes, ring_records=RING_RECORDS) -> int:
+    """The bytes of one worker's segment (each is fully allocated at start)."""
+    return _geometry(
+        slot_count, slot_bytes(request_bytes), slot_bytes(response_bytes), ring_records
+    )[-1]
+
+
 class Segment:
     """One mapped queue segment (creator or attacher)."""
 
@@ -240,7 +255,7 @@ class Segment:
         slot_count=64,
         request_bytes=65536,
         response_bytes=65536,
-        ring_records=8192,
+        ring_records=RING_RECORDS,
         numa_node=-1,
         cpu=-1,
         mode=0o600,
@@ -259,10 +274,9 @@ class Segment:
         ):
             if not 64 <= int(value) <= MAX_SLOT_BYTES:
                 raise QueueError(f"{flag} must be 64..{MAX_SLOT_BYTES} (1 GiB), got {value}")
-        request_bytes = (int(request_bytes) + 63) // 64 * 64
-        response_bytes = (int(response_bytes) + 63) // 64 * 64
+        request_bytes, response_bytes = slot_bytes(request_bytes), slot_bytes(response_bytes)
         geometry = (slot_count, request_bytes, response_bytes, ring_records)
-        size = _geometry(*geometry)[-1]
+        size = segment_bytes(*geometry)
         available = _mem_available()
         if available is not None and size > available:
             raise QueueError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import grp
 import json
 import multiprocessing
@@ -29,6 +30,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from shminfer import _sys
 from shminfer.backends import BackendError, check_model
+from shminfer.client import attach
+from shminfer.limits import (
+    CGROUP_ROOT,
+    HEALTH_ATTACH_TIMEOUT_S,
+    HEALTH_EVERY_S,
+    HEALTH_GRACE_S,
+    HEALTH_STUCK_S,
+    MAX_LINE,
+    Health,
+    check_queue_memory,
+    check_settings,
+    connection_cap,
+    parse_lease,
+)
 from shminfer.metrics import SLOW_CPU_MS, SLOW_WALL_MS, collect, prometheus_text
 from shminfer.queue import (
     FREE,
@@ -70,9 +85,10 @@ THREAD_ENV = (
 
 
 PROTOCOL = 2
-_MAX_LINE = 4096
-_MAX_CONNECTIONS = 1024
 LOAD_FAILED = 3  # the worker's exit code when the model does not load
+UNHEALTHY = 2  # serve's exit code when its health check failed (systemd restarts it)
+HANDSHAKE_S = 10.0  # a connection that has not sent its lease line by then is dropped
+_ACCEPT_PAUSE_S = 0.1  # out of descriptors (EMFILE/ENFILE): accept again after this
 
 
 class _InheritFd:
@@ -91,13 +107,19 @@ def _inherited(dup):
 
 
 class _Conn:
-    __slots__ = ("buf", "leases", "pid", "sock")
+    """One client connection: at most one lease, answered once (a second line gets one
+    refusal and changes nothing); its slots come back when it closes."""
+
+    __slots__ = ("answered", "buf", "leases", "pid", "refused", "since", "sock")
 
     def __init__(self, sock):
         self.sock = sock
         self.buf = b""
         self.leases = {}  # cpu -> [slot]
         self.pid = 0
+        self.since = time.monotonic()
+        self.answered = False
+        self.refused = False
 
 
 class Server:
@@ -116,10 +138,26 @@ class Server:
         worker_options=None,
         restart_backoff_s=(0.1, 5.0),
         batch_deadline_s=30.0,
+        health=(HEALTH_EVERY_S, HEALTH_STUCK_S, HEALTH_GRACE_S),
+        cgroup_root=CGROUP_ROOT,
     ):
         self.name = check_name(name)
         if not cpus:
             raise ValueError("at least one CPU is needed (--cpus)")
+        if not batch_deadline_s or batch_deadline_s <= 0:
+            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
+        # Every setting together, before anything starts: one line on what cannot work.
+        check_settings(
+            cpus=cpus,
+            slots=slots,
+            batch_deadline_s=batch_deadline_s,
+            worker_options=worker_options or {},
+            health=health,
+        )
+        self.max_connections = connection_cap(len(cpus))
+        self.health = Health(*health) if health[0] else None
+        self.unhealthy = None  # why the health check gave up on this unit
+        self.cgroup_root = cgroup_root
         allowed = os.sched_getaffinity(0)
         outside = sorted(set(cpus) - allowed)
         if outside:
@@ -127,8 +165,6 @@ class Server:
                 f"CPUs {outside} are outside this process's affinity {sorted(allowed)}: "
                 "check --cpus against the unit's CPUAffinity"
             )
-        if not batch_deadline_s or batch_deadline_s <= 0:
-            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
         self.cpus = list(cpus)
         self.numa_node = numa_node
         self.backend = backend
@@ -149,12 +185,15 @@ class Server:
         self.backoff_min, self.backoff_max = restart_backoff_s
         self.segments = {}
         self.processes = {}
-        self.status = {}  # cpu -> private [busy_since_ns] shared with that worker
+        # cpu -> private [busy_since_ns, claims made, loaded] shared with that worker
+        self.status = {}
         # cpu -> private u32 per slot, non-zero while that worker holds the slot (claimed,
         # not yet answered). Only the supervisor and the worker map it: a slot a worker
         # holds is never leased or freed, whatever its (peer-writable) state word says.
         self.claims = {}
         self.restarts = dict.fromkeys(self.cpus, 0)
+        self.backoff = dict.fromkeys(self.cpus, self.backoff_min)
+        self._spawned = {}  # cpu -> when its worker was last spawned (monotonic)
         self.load_failure = None
         self._kill_reason = {}
         self._stop = threading.Event()
@@ -168,6 +207,7 @@ class Server:
         self._lock = None
         self._listener = None
         self._lease_thread = None
+        self._health_thread = None
         self._lease_mutex = threading.Lock()
         self._holder = {}  # cpu -> [conn or None] per slot
         self._generation = {}  # cpu -> [lease generation] per slot
@@ -178,6 +218,14 @@ class Server:
 
     def start(self):
         """Check the model, take the name, create the queues, open the socket, spawn."""
+        check_queue_memory(
+            self.name,
+            len(self.cpus),
+            self.slots,
+            self.request_bytes,
+            self.response_bytes,
+            root=self.cgroup_root,
+        )
         make_unit_dir(self.name, self.gid)
         self._lock = NameLock(self.name)  # raises at once if another server has the name
         try:
@@ -198,7 +246,7 @@ class Server:
                 )
                 self._holder[cpu] = [None] * self.slots
                 self._generation[cpu] = [0] * self.slots
-                self.status[cpu] = self._ctx.RawArray("q", 2)
+                self.status[cpu] = self._ctx.RawArray("q", 3)
                 self.claims[cpu] = self._ctx.RawArray("I", self.slots)
             self._listen()
             write_registry(
@@ -239,7 +287,7 @@ class Server:
         if self.gid is not None:
             os.chown(path, -1, self.gid, follow_symlinks=False)
         os.chmod(path, self.mode)  # in our own directory: nobody can swap it meanwhile
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)
         listener.setblocking(False)
         self._listener = listener
         self._lease_thread = threading.Thread(
@@ -254,7 +302,8 @@ class Server:
         segment = self.segments[cpu]
         segment.set("worker_state", WORKER_STARTING)
         segment.set("worker_generation", segment.get("worker_generation") + 1)
-        self.status[cpu][0] = 0
+        self.status[cpu][0] = self.status[cpu][2] = 0
+        self._spawned[cpu] = time.monotonic()
         self._clear_claims(cpu)
         process = self._ctx.Process(
             target=worker_main,
@@ -273,13 +322,21 @@ class Server:
 
     def serve_forever(self, reclaim_every_s=0.1, notifier=None):
         next_restart = {}
-        backoff = dict.fromkeys(self.cpus, self.backoff_min)
+        backoff = self.backoff
         tick = min(reclaim_every_s, 0.1)
         # systemd (Type=notify): "started" once every worker is ready; WATCHDOG=1 only while
-        # this loop turns, so a wedged supervisor is restarted by WatchdogSec=.
+        # this loop turns and the health check passes, so a wedged or sick unit restarts.
         notifier = notifier or Notifier({})
         announced = False
+        if self.health is not None and self._health_thread is None:
+            self._health_thread = threading.Thread(
+                target=self._check_health, name=f"shminfer-{self.name}-health", daemon=True
+            )
+            self._health_thread.start()
         while not self._stop.is_set():
+            if self.unhealthy is not None:
+                log_event("unhealthy", name=self.name, reason=self.unhealthy, exit_code=UNHEALTHY)
+                break
             notifier.watchdog()
             if not announced and all(
                 s.get("worker_state") == WORKER_READY for s in self.segments.values()
@@ -303,14 +360,50 @@ class Server:
                     self.restarts[cpu] += 1
                     self._spawn(cpu)
             for cpu, process in self.processes.items():
-                # A worker that has served for a while earns a fresh backoff.
-                if process is not None and process.is_alive() and cpu not in next_restart:
-                    backoff[cpu] = max(self.backoff_min, backoff[cpu] / 2)
+                # A worker that loaded and has lived backoff_max since earns a fresh
+                # backoff; a starting (or crash-looping) one does not: it keeps growing.
+                if (
+                    process is not None
+                    and self.status[cpu][2]
+                    and now - self._spawned[cpu] >= self.backoff_max
+                ):
+                    backoff[cpu] = self.backoff_min
             self.check_deadlines()
             self.reclaim_dead_clients()
             if self.metrics_textfile and now >= self._metrics_due:
                 self._metrics_due = now + self.metrics_every_s
                 self.write_metrics_textfile()
+
+    def _check_health(self):
+        """The health thread: one check every health.every_s; once they have failed for
+        health.grace_s, ``unhealthy`` says why and serve_forever ends (exit 2)."""
+        health = self.health
+        while not self._stop.wait(health.every_s):
+            reason = self.health_reason()
+            if reason is not None and health.failing_since is None:
+                log_event("health_check_failed", name=self.name, reason=reason)
+            if health.record(reason):
+                self.unhealthy = reason
+                return
+
+    def health_reason(self):
+        """Why this unit is not serving, or None: its own client cannot attach, or a request
+        sits READY for a loaded, idle worker that claims nothing (limits.Health)."""
+        try:
+            sock, _answer, segments = attach(self.name, 0, HEALTH_ATTACH_TIMEOUT_S)
+        except (QueueError, OSError, ValueError) as exc:
+            return f"the supervisor's own client cannot attach: {exc}"
+        for segment in segments:
+            segment.close()
+        sock.close()
+        now = time.monotonic()
+        for cpu, segment in list(self.segments.items()):
+            process = self.processes.get(cpu)
+            alive = process is not None and process.is_alive()
+            reason = self.health.stuck(cpu, segment, self.status[cpu], alive, now)
+            if reason is not None:
+                return reason
+        return None
 
     def check_deadlines(self):
         """Kill a worker whose batch has run past --batch-deadline-s; it is restarted and
@@ -353,29 +446,47 @@ class Server:
             ctypes.memset(claims, 0, ctypes.sizeof(claims))
 
     def _leasable(self, cpu, index):
-        """Slot ``index`` holds nothing anybody may still write an answer into: no request
-        of a departed holder in flight, and not held by the worker. The state word is a
-        peer's to scribble; the claim is the worker's own record (private memory), so a
-        peer that rewrites the state word of a slot the worker holds cannot get it freed
-        and leased to another client, into whose request the worker would then answer
-        the old one. The state is read before the claim: the worker stores its claim
-        before PROCESSING, so a PROCESSING read here finds the claim."""
-        if int(self.segments[cpu].states[index]) in (READY, PROCESSING):
+        """Slot ``index`` holds nothing anybody may still write an answer into: no READY
+        request the worker is yet to claim, and not held by the worker. Ownership decides,
+        not the state word, which is a peer's to scribble: the claim is the worker's own
+        record (private memory), so a peer that rewrites the state word of a slot the
+        worker holds cannot get it freed and leased to another client, and a PROCESSING
+        the worker never wrote (a departed peer's) does not keep the slot from the pool.
+        The state is read before the claim: the worker stores its claim before
+        PROCESSING, so a PROCESSING read here finds the claim."""
+        if int(self.segments[cpu].states[index]) == READY:
             return False
         return not self.claims[cpu][index]
 
     # ------------------------------------------------------------ leases
 
     def _serve_leases(self, listener):
+        """The lease thread. Every handler of a peer's input catches everything: that peer
+        gets one line and is dropped, the thread goes on (issue 27)."""
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ, None)
+        self._accept_paused = 0.0  # monotonic time accept resumes after EMFILE/ENFILE
+        next_sweep = 0.0
         try:
             while not self._stop.is_set():
                 for key, _ in selector.select(timeout=0.1):
                     if key.data is None:
-                        self._accept(selector, listener)
-                    else:
+                        try:
+                            self._accept(selector, listener)
+                        except Exception as exc:  # never the thread's end
+                            log_event("accept_failed", name=self.name, error=repr(exc)[:300])
+                        continue
+                    try:
                         self._readable(selector, key.data)
+                    except Exception as exc:  # a peer's input, whatever it is
+                        self._peer_failed(selector, key.data, exc)
+                now = time.monotonic()
+                if self._accept_paused and now >= self._accept_paused:
+                    self._accept_paused = 0.0
+                    selector.register(listener, selectors.EVENT_READ, None)
+                if now >= next_sweep:
+                    next_sweep = now + 1.0
+                    self._drop_silent(selector, now)
         except (OSError, ValueError):  # the listener closed under us at stop
             pass
         finally:
@@ -386,23 +497,61 @@ class Server:
     def _accept(self, selector, listener):
         try:
             sock, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        if len(self._conns) >= _MAX_CONNECTIONS:
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                log_event("accept_failed", name=self.name, error=str(exc))
+                return
+            # Out of descriptors: wait and retry, never exit (the connection cap keeps
+            # clients below the limit; this is everything else using descriptors).
+            log_event("accept_paused", name=self.name, error=exc.strerror, pause_s=_ACCEPT_PAUSE_S)
+            selector.unregister(listener)
+            self._accept_paused = time.monotonic() + _ACCEPT_PAUSE_S
+            return
+        conn = _Conn(sock)
+        try:
+            sock.setblocking(False)
+            # The kernel's word for the client's pid, in this server's pid namespace: what
+            # a client says is its own namespace's (a container's pid 1) or a lie.
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            conn.pid = struct.unpack("3i", creds)[0]
+        except OSError:
             sock.close()
             return
-        sock.setblocking(False)
-        conn = _Conn(sock)
-        # The kernel's word for the client's pid, in this server's pid namespace: what a
-        # client says is its own namespace's (a container's pid 1) or a lie.
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        conn.pid = struct.unpack("3i", creds)[0]
+        # The cap sits under the open-file limit; the health check's own client is always
+        # let in, so a flood of connections is refused, not mistaken for a sick unit.
+        if len(self._conns) >= self.max_connections and conn.pid != os.getpid():
+            self._say(
+                conn,
+                f"server {self.name}: too many connections ({len(self._conns)}, its cap under "
+                "the open-file limit); try again later",
+            )
+            sock.close()
+            return
         self._conns[sock.fileno()] = conn
         selector.register(sock, selectors.EVENT_READ, conn)
 
+    def _say(self, conn, error):
+        """One line of refusal, if the peer's buffer takes it; never blocks."""
+        with contextlib.suppress(OSError):
+            conn.sock.send(json.dumps({"ok": False, "error": error}).encode() + b"\n")
+
+    def _peer_failed(self, selector, conn, exc):
+        log_event("lease_peer_dropped", name=self.name, pid=conn.pid, error=repr(exc)[:300])
+        self._say(conn, f"bad request: {type(exc).__name__}")
+        self._drop(selector, conn)
+
+    def _drop_silent(self, selector, now):
+        """Drop connections that have not sent their lease line within HANDSHAKE_S."""
+        for conn in list(self._conns.values()):
+            if not conn.answered and now - conn.since > HANDSHAKE_S:
+                self._say(conn, f"no lease line within {HANDSHAKE_S:g} s")
+                self._drop(selector, conn)
+
     def _readable(self, selector, conn):
         try:
-            data = conn.sock.recv(_MAX_LINE)
+            data = conn.sock.recv(MAX_LINE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -410,22 +559,23 @@ class Server:
         if not data:
             self._drop(selector, conn)
             return
-        if conn.leases is None:
-            return  # answered already; anything more is ignored until it closes
+        if conn.answered:
+            # One lease per connection: a second line is refused once, changes nothing,
+            # and anything after it is read and ignored until the connection closes.
+            if not conn.refused:
+                conn.refused = True
+                self._say(conn, "one lease per connection: this one is answered already")
+            return
         conn.buf += data
         if b"\n" not in conn.buf:
-            if len(conn.buf) > _MAX_LINE:
-                self._drop(selector, conn)
+            if len(conn.buf) > MAX_LINE:
+                self._reply(selector, conn, {"ok": False, "error": "bad request: line too long"})
             return
         line = conn.buf.split(b"\n", 1)[0]
         conn.buf = b""
         try:
-            request = json.loads(line)
-            count = int(request.get("slots", 0))
-            if not 0 <= count <= 1 << 20:
-                raise ValueError("slots must be 0..2**20")
-            count = min(count, self.slots)
-        except (ValueError, TypeError, AttributeError) as exc:
+            count = min(parse_lease(line), self.slots)
+        except (ValueError, RecursionError) as exc:
             self._reply(selector, conn, {"ok": False, "error": f"bad request: {exc}"})
             return
         refusal = None
@@ -463,6 +613,7 @@ class Server:
         self._reply(selector, conn, answer, [self.segments[c].fd for c in self.cpus])
 
     def _reply(self, selector, conn, answer, fds=()):
+        conn.answered = True
         raw = json.dumps(answer).encode() + b"\n"
         try:
             if fds:
@@ -474,10 +625,6 @@ class Server:
             return
         if not answer.get("ok"):
             self._drop(selector, conn)
-            return
-        if not conn.leases:
-            # No slots (a reader such as `shminfer stats`): nothing to keep open for.
-            conn.leases = None
 
     def _lease(self, cpu, conn, count):
         """Up to ``count`` slots nobody holds and no former holder's request occupies."""
@@ -498,7 +645,7 @@ class Server:
             segment.slot_set(index, "owner_pid", conn.pid or 1)
             leased.append([index, generation])
         if leased:
-            conn.leases[cpu] = [index for index, _ in leased]
+            conn.leases.setdefault(cpu, []).extend(index for index, _ in leased)
         return leased
 
     def _release(self, conn):
@@ -560,6 +707,9 @@ class Server:
         if self._lease_thread is not None:
             self._lease_thread.join(5)
             self._lease_thread = None
+        if self._health_thread is not None:
+            self._health_thread.join(HEALTH_ATTACH_TIMEOUT_S + 5)
+            self._health_thread = None
         for segment in self.segments.values():
             segment.set("worker_state", WORKER_STOPPED)
             fail_inflight(segment, f"server {self.name} stopped", states=(READY, PROCESSING))
@@ -683,4 +833,7 @@ def run_server(
         server.stop()
     if server.load_failure:
         raise BackendError(server.load_failure + " (see worker_load_failed above)")
+    if server.unhealthy:
+        # The CLI's exit code 2 and this line, in the journal: systemd restarts the unit.
+        raise QueueError(f"server {server.name} is unhealthy: {server.unhealthy}; exiting")
     return 0

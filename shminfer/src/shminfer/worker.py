@@ -128,9 +128,10 @@ def worker_main(
 ) -> None:
     """``segment_fd`` (inherited at spawn) and ``geometry`` come from the supervisor: the
     header is writable by every client. ``status`` and ``claims`` are private shared
-    memory (not the segment, no client maps them): [busy_since_ns] for the supervisor's
-    batch deadline watchdog, and one u32 per slot, non-zero while this worker holds the
-    slot (from its claim until it has answered), which the supervisor never leases."""
+    memory (not the segment, no client maps them): [busy_since_ns, claims made, loaded]
+    for the supervisor's batch deadline watchdog and health check, and one u32 per slot,
+    non-zero while this worker holds the slot (from its claim until it has answered),
+    which the supervisor never leases."""
     _die_with_parent()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
@@ -145,6 +146,8 @@ def worker_main(
     segment.set_model_info(info)
     segment.set("worker_pid", os.getpid())
     segment.set("worker_state", WORKER_READY)
+    if status is not None:
+        status[2] = 1  # loaded: private, unlike worker_state (the health check reads it)
     policy = SchedPolicy(sched, rt_priority)
     log_event(
         "worker_ready",
@@ -311,6 +314,8 @@ class Worker:
             words[index] = PROCESSING
             # The request's tag, read once it is ours: every answer carries it back.
             tags[index] = fields[index * S64 + S64_SEQ]
+        if self.status is not None:
+            self.status[1] += len(claimed)  # progress, for the supervisor's health check
         return claimed
 
     # ------------------------------------------------------------ serving
