@@ -6,21 +6,32 @@ failed on the main branch before the fix it covers."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import resource
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-from shminfer_serving import CPUS
+from shminfer_attacks import (
+    LEASE_LINES,
+    MISALIGNED_READY,
+    WIDTH,
+    answer_line,
+    bad_payloads,
+    flood,
+    foreign_clock,
+    leave_with_state,
+    misaligned_ready,
+    overwrite_magic,
+    second_lease_line,
+    send_lease_line,
+    serve,
+)
 from shminfer_serving import serving as _serving
 
 from shminfer import _sys
@@ -28,28 +39,20 @@ from shminfer.client import Client
 from shminfer.codec import PayloadError
 from shminfer.queue import (
     DONE,
-    ERROR,
     FREE,
     PROCESSING,
     QUEUE_WAIT_MAX_NS,
     READY,
     RING_FIELDS,
-    S32,
-    S32_REQUEST_LEN,
-    S64,
-    S64_ENQUEUE_NS,
-    S64_SEQ,
     QueueError,
     Segment,
 )
 from shminfer.registry import make_unit_dir, registry_path, socket_path, unit_dir
 from shminfer.topology import read_topology
 
-SHMINFER = [sys.executable, "-m", "shminfer.cli"]
 
-
-def _x(value, rows=1, width=64):
-    return {"x": np.full((rows, width), value, dtype=np.float32)}
+def _x(value, rows=1):
+    return {"x": np.full((rows, WIDTH), value)}
 
 
 def _wait_for(predicate, timeout, what):
@@ -60,27 +63,10 @@ def _wait_for(predicate, timeout, what):
         time.sleep(0.01)
 
 
-def _serve(name, *extra, slots=8, limit_nofile=None, **popen):
-    """`shminfer serve` (echo backend, last CPU): its stderr (the journal) in a file."""
-
-    def limit():
-        if limit_nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit_nofile, limit_nofile))
-
+def _serve(name, *extra, slots=8, limit_nofile=None):
+    """`shminfer serve` (shminfer_attacks.serve): its stderr (the journal) in a file."""
     log = open(Path(unit_dir(name)).parent / f"{name}.log", "w+", encoding="utf-8")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            *SHMINFER,
-            *("serve", "--name", name, "--cpus", str(CPUS[-1]), "--numa-node", "-1"),
-            *("--backend", "echo", "--model", "64", "--sched", "off", "--slots", str(slots)),
-            *extra,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        text=True,
-        preexec_fn=limit,  # noqa: PLW1509 - setrlimit only, before exec
-        **popen,
-    )
+    proc = serve(name, *extra, limit_nofile=limit_nofile, stderr=log, slots=slots)
     proc.log = log
     return proc
 
@@ -135,46 +121,13 @@ def _serves(name, value=5.0, **kw):
     return bool(np.all(out == value))
 
 
-def _line(sock, timeout=10.0):
-    """One answer line from the server; fds that came with it are closed."""
-    sock.settimeout(timeout)
-    raw, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 64)
-    for fd in fds:
-        os.close(fd)
-    assert raw.endswith(b"\n") and raw.count(b"\n") == 1, raw[:200]
-    return json.loads(raw)
-
-
-def _raw(name):
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(socket_path(name))
-    return sock
-
-
-# ---------------------------------------------------------------- 1: lease lines
-
-LINES = {
-    "huge-float": b'{"slots": 1e400}',
-    "infinity": b'{"slots": Infinity}',
-    "nan": b'{"slots": NaN}',
-    "nested-2000": b"[" * 2000 + b"]" * 2000,
-    "bool": b'{"slots": true}',
-    "float": b'{"slots": 1.5}',
-    "list": b"[1, 2]",
-    "unknown-key": b'{"slots": 1, "owner": 0}',
-    "not-utf8": b'{"slots": "\xff\xfe"}',
-}
-
-
 def test_no_lease_line_kills_the_lease_thread():
     """Each line gets one line of error and that peer alone is dropped; clients attach."""
     with unit() as (name, _proc):
-        for label, line in LINES.items():
-            with _raw(name) as sock:
-                sock.sendall(line + b"\n")
-                answer = _line(sock)
-                assert answer["ok"] is False and "bad request" in answer["error"], label
-                assert sock.recv(1) == b"", f"{label}: the peer was not dropped"
+        for label, line in LEASE_LINES.items():
+            answer, dropped = send_lease_line(name, line)
+            assert answer["ok"] is False and "bad request" in answer["error"], label
+            assert dropped, f"{label}: the peer was not dropped"
             assert _serves(name), label
 
 
@@ -183,12 +136,9 @@ def test_no_lease_line_kills_the_lease_thread():
 
 def test_a_second_lease_line_is_refused_and_close_returns_every_slot():
     with unit(slots=8) as (name, _proc):
-        with _raw(name) as sock:
-            sock.sendall(b'{"slots": 1}\n')
-            assert _line(sock)["ok"] is True
-            sock.sendall(b'{"slots": 8}\n')
-            answer = _line(sock)
-            assert answer["ok"] is False and "one lease per connection" in answer["error"]
+        first, second = second_lease_line(name)
+        assert first["ok"] is True
+        assert second["ok"] is False and "one lease per connection" in second["error"]
         # Every slot came back: one client can lease all 8 again.
         with _client(name, timeout=10, retry=("no free slot",), slots_per_worker=8) as client:
             assert len(client.lanes[0].leased) == 8
@@ -202,23 +152,20 @@ def test_a_connection_flood_is_capped_silent_peers_go_and_the_unit_keeps_accepti
     """Soft RLIMIT_NOFILE 200, one worker: a cap of 200 - 64 - 8 = 128 connections. A peer
     opening 250 (and sending nothing) gets the rest refused with one line; an honest client
     is told so meanwhile, and attaches once the silent ones are dropped (10 s handshake)."""
-    flood = []
     with unit(limit_nofile=200) as (name, proc):
+        socks = flood(name, 250)
         try:
-            for _ in range(250):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.connect(socket_path(name))
-                flood.append(sock)
+            assert len(socks) == 250
             refused = []
-            for sock in flood[-50:]:
+            for sock in socks[-50:]:
                 with contextlib.suppress(TimeoutError, ConnectionResetError):
-                    refused.append(_line(sock, timeout=10)["error"])
+                    refused.append(answer_line(sock, timeout=10)["error"])
             assert refused and all("too many connections" in e for e in refused), refused
             with pytest.raises(QueueError, match="too many connections"):
                 Client(name, timeout=10)
             assert _serves(name, retry=("too many connections",), timeout=40)
         finally:
-            for sock in flood:
+            for sock in socks:
                 sock.close()
         assert _serves(name)
         assert "Traceback" not in _journal(proc)
@@ -253,30 +200,12 @@ def test_a_full_listen_backlog_is_a_clear_error():
 
 # ---------------------------------------------------------------- 4: reclaim by ownership
 
-_LEAVE_WITH = """
-import sys
-from shminfer.client import Client
-c = Client(sys.argv[1], slots_per_worker=8, timeout=10)
-words = c.lanes[0].seg.state_words
-for slot in c.lanes[0].leased:
-    words[slot] = int(sys.argv[2])
-c.close()
-"""
-
 
 def test_slots_left_processing_come_back_when_their_client_leaves():
     """READY, WRITING, DONE and garbage came back already; PROCESSING the worker never
     wrote (it holds no claim) did not."""
-    word = PROCESSING
     with unit(slots=8) as (name, _proc):
-        left = subprocess.run(
-            [sys.executable, "-c", _LEAVE_WITH, name, str(word)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert left.returncode == 0, left.stderr
+        assert len(leave_with_state(name, PROCESSING, slots=8)) == 8
         with _client(name, timeout=10, retry=("no free slot",), slots_per_worker=8) as client:
             assert len(client.lanes[0].leased) == 8
             assert np.all(client.infer(_x(4.0), timeout=30)["y"] == 4.0)
@@ -308,20 +237,6 @@ def test_ready_is_one_u32_compare_on_this_path():
         segment.close()
 
 
-_MISALIGNED = """
-import sys, time
-from shminfer.client import Client
-c = Client(sys.argv[1], slots_per_worker=1, timeout=10)
-lane = c.lanes[0]
-slot = lane.leased[0]
-words = lane.seg.state_words
-assert slot + 1 < lane.seg.slot_count and words[slot + 1] == 0
-words[slot] = 0x02000000
-print(slot, lane.seg.get("worker_pid"), flush=True)
-time.sleep(60)
-"""
-
-
 def _cpu_seconds(pid):
     with open(f"/proc/{pid}/stat", "rb") as handle:
         fields = handle.read().rsplit(b")", 1)[1].split()
@@ -329,24 +244,15 @@ def _cpu_seconds(pid):
 
 
 def test_a_word_that_looks_ready_off_its_boundary_neither_wakes_nor_feeds_the_worker():
-    with unit(slots=8) as (name, _proc):
-        peer = subprocess.Popen(
-            [sys.executable, "-c", _MISALIGNED, name], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            slot, worker = map(int, peer.stdout.readline().split())
-            with Client(name, slots_per_worker=1) as watcher:
-                words = watcher.lanes[0].seg.state_words
-                before = _cpu_seconds(worker)
-                time.sleep(3)
-                used = _cpu_seconds(worker) - before
-                assert words[slot] == 0x02000000, "the worker took the word for a request"
-            # A spinning worker uses its CPU the whole time; an idle one next to nothing.
-            assert used < 1.5, f"the idle worker used {used:.2f} s of CPU in 3 s"
-            assert _serves(name)
-        finally:
-            peer.kill()
-            peer.wait(30)
+    with unit(slots=8) as (name, _proc), Client(name, slots_per_worker=1) as peer:
+        slot, worker = misaligned_ready(peer)
+        before = _cpu_seconds(worker)
+        time.sleep(3)
+        used = _cpu_seconds(worker) - before
+        assert peer.lanes[0].seg.state_words[slot] == MISALIGNED_READY, "taken for a request"
+        # A spinning worker uses its CPU the whole time; an idle one next to nothing.
+        assert used < 1.5, f"the idle worker used {used:.2f} s of CPU in 3 s"
+        assert _serves(name)
 
 
 # ---------------------------------------------------------------- 6: magic, backoff, health
@@ -365,9 +271,8 @@ def test_an_overwritten_magic_locks_nobody_out_and_a_dead_worker_restarts_once(t
     metrics = tmp_path / "metrics.prom"
     with unit("--metrics-textfile", str(metrics), "--metrics-every-s", "0.5") as (name, _p):
         with Client(name, slots_per_worker=1) as peer:
-            segment = peer.lanes[0].seg
-            segment.mm[:8] = b"XXXXXXXX"
-            os.kill(segment.get("worker_pid"), signal.SIGKILL)
+            overwrite_magic(peer)
+            os.kill(peer.lanes[0].seg.get("worker_pid"), signal.SIGKILL)
         assert _serves(name, timeout=30)  # a new client attaches and is answered
         time.sleep(3)
         assert _restarts(metrics) == 1, metrics.read_text(encoding="utf-8")
@@ -520,18 +425,16 @@ def _slot_back(client, slot):
 def test_payloads_the_reader_refuses_are_refused_at_the_writer_and_free_their_slot():
     with unit() as (name, _proc), _client(name, slots_per_worker=1) as client:
         slot = client.lanes[0].leased[0]
-        assert client.infer(_x(1.0), timeout=30)["y"].shape == (1, 128)  # a learned layout
-        structured = {"x": np.zeros((1, 4), dtype=[("a", "<f4"), ("b", "<i4")])}
-        with pytest.raises(PayloadError, match="dtype code '\\|V8' refused"):
-            client.infer(structured)
-        _slot_back(client, slot)
-        many = {f"a{i}": np.zeros(1, np.float32) for i in range(70_000)}
-        with pytest.raises(ValueError, match="70000 arrays in one payload"):
-            client.infer(many)
-        _slot_back(client, slot)
-        with pytest.raises(TypeError, match="array names must be str"):
-            client.infer({1: np.zeros((1, 64), np.float32)})
-        _slot_back(client, slot)
+        assert client.infer(_x(1.0), timeout=30)["y"].shape == (1, 2 * WIDTH)  # learned
+        raised = bad_payloads(client)
+        assert isinstance(raised["structured"], PayloadError), raised
+        assert "dtype code '|V8' refused" in str(raised["structured"])
+        assert isinstance(raised["70000-arrays"], ValueError), raised
+        assert "70000 arrays in one payload" in str(raised["70000-arrays"])
+        assert isinstance(raised["int-key"], TypeError), raised
+        assert "array names must be str" in str(raised["int-key"])
+        lane = client.lanes[0]
+        assert lane.seg.state_words[slot] == FREE and slot in lane.free, (slot, lane.free)
         assert np.all(client.infer(_x(2.0), timeout=30)["y"] == 2.0)
 
 
@@ -551,21 +454,9 @@ def test_a_foreign_clock_does_not_push_the_queue_wait_to_millions_of_ms():
     boot time 0) record no absurd queue wait, on the Python and (from the second request
     of a layout) the C serve path."""
     with unit() as (name, _proc), _client(name, slots_per_worker=1) as client:
-        lane = client.lanes[0]
-        seg = lane.seg
-        slot = lane.free.pop()
+        seg = client.lanes[0].seg
         head = seg.get("ring_head")
-        for seq in range(1, 4):
-            length = lane.encoder.encode_into(lane.requests[slot], _x(float(seq)), slot=slot)
-            seg.slot32[slot * S32 + S32_REQUEST_LEN] = length
-            seg.slot64[slot * S64 + S64_SEQ] = lane.generation[slot] << 32 | seq
-            seg.slot64[slot * S64 + S64_ENQUEUE_NS] = 1
-            seg.state_words[slot] = READY
-            seg.ring_doorbell()
-            _wait_for(lambda: seg.state_words[slot] in (DONE, ERROR), 30, "the answer")
-            assert seg.state_words[slot] == DONE
-            seg.state_words[slot] = FREE
+        assert [foreign_clock(client, float(i)) for i in range(3)] == [DONE] * 3
         records, _ = seg.ring_read(head)
         waits = records[:, RING_FIELDS.index("queue_wait_ns")]
         assert len(waits) == 3 and waits.max() <= QUEUE_WAIT_MAX_NS, waits / 1e6
-        lane.free.append(slot)
