@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ from shminfer_attacks import (
     send_lease_line,
     serve,
 )
+from shminfer_serving import CPUS
 from shminfer_serving import serving as _serving
 
 from shminfer import _sys
@@ -169,6 +171,50 @@ def test_a_connection_flood_is_capped_silent_peers_go_and_the_unit_keeps_accepti
                 sock.close()
         assert _serves(name)
         assert "Traceback" not in _journal(proc)
+
+
+_NO_CAP = """
+import os, resource, sys
+from shminfer.server import Server
+server = Server(sys.argv[1], [int(sys.argv[2])], numa_node=-1, backend="echo", model="32",
+                slots=8, worker_options={"sched": "off"})
+server.max_connections = 10**6  # past the cap: accept itself runs out of descriptors
+server.start()
+used, hard = len(os.listdir("/proc/self/fd")), resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, hard))
+print("serving", flush=True)
+try:
+    server.serve_forever()
+finally:
+    server.stop()
+"""
+
+
+def test_out_of_descriptors_accept_pauses_and_retries_never_exits():
+    """The second defence, behind the cap: EMFILE on accept pauses it; once the flood has
+    gone, clients attach again."""
+    name = f"d{uuid.uuid4().hex[:10]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NO_CAP, name, str(CPUS[-1])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        socks = flood(name, 100)
+        try:
+            time.sleep(1)  # the server meets EMFILE meanwhile
+            assert proc.poll() is None
+        finally:
+            for sock in socks:
+                sock.close()
+        assert _serves(name, retry=("no answer",), timeout=30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert '"event": "accept_paused"' in err and "Too many open files" in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
 
 
 def test_a_full_listen_backlog_is_a_clear_error():
