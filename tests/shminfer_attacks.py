@@ -52,6 +52,7 @@ LEASE_LINES = {
     "list": b"[1, 2]",
     "unknown-key": b'{"slots": 1, "owner": 0}',
     "not-utf8": b'{"slots": "\xff\xfe"}',
+    "too-long": b'{"slots": 1' + b" " * 5000 + b"}",
 }
 # The word whose bytes hold READY one byte off the word boundary, before a FREE word.
 MISALIGNED_READY = 0x02000000

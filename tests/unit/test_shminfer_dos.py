@@ -39,6 +39,7 @@ from shminfer_serving import serving as _serving
 from shminfer import _sys
 from shminfer.client import Client
 from shminfer.codec import PayloadError
+from shminfer.limits import cgroup_memory_limit
 from shminfer.queue import (
     DONE,
     FREE,
@@ -341,6 +342,9 @@ def test_the_restart_backoff_grows_while_restarted_workers_keep_dying():
         assert len(killed) == 6
         _wait_for(lambda: server.processes.get(cpu) is not None, 30, "the next restart")
         assert server.backoff[cpu] == server.backoff_max, server.backoff
+        # A worker that loads and lives the maximum earns the minimum back.
+        _wait_for(lambda: server.backoff[cpu] == server.backoff_min, 60, "a fresh backoff")
+        assert server.processes[cpu].pid not in killed
 
 
 def test_a_unit_that_stops_serving_exits_2_saying_why():
@@ -371,7 +375,56 @@ def test_a_unit_that_stops_serving_exits_2_saying_why():
     assert journal.rstrip().splitlines()[-1].startswith("shminfer: error: "), journal
 
 
+def test_a_unit_its_clients_cannot_attach_to_exits_2_saying_why():
+    """Its socket gone (removed here; a unit whose lease thread died looked the same): no
+    client can attach, the supervisor's own check says so, the unit exits 2."""
+    name = f"d{uuid.uuid4().hex[:10]}"
+    proc = _serve(name, "--health-every-s", "0.2", "--health-grace-s", "1")
+    try:
+        assert _serves(name)
+        os.unlink(socket_path(name))
+        proc.wait(30)
+    finally:
+        journal = _journal(proc)
+        _stop(proc)
+    assert proc.returncode == 2, journal
+    assert "the supervisor's own client cannot attach" in journal, journal
+    assert journal.rstrip().splitlines()[-1].startswith("shminfer: error: "), journal
+
+
+def test_the_listen_backlog_is_somaxconn():
+    if shutil.which("ss") is None:
+        pytest.skip("no ss(8) to read a listening socket's backlog")
+    with unit() as (name, _proc):
+        listed = subprocess.run(
+            ["ss", "-xlH", "src", socket_path(name)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert int(listed[3]) == min(socket.SOMAXCONN, _somaxconn()), listed
+
+
+def _somaxconn():
+    with open("/proc/sys/net/core/somaxconn", encoding="ascii") as handle:
+        return int(handle.read())
+
+
 # ---------------------------------------------------------------- 7: memory cgroup
+
+
+def test_the_tightest_memory_max_on_the_cgroup_path_is_the_limit(tmp_path):
+    root = tmp_path / "cgroup"
+    leaf = root / "rtfleet.slice" / "shminfer@ccx0.service"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf.parent / "memory.max").write_text("1073741824\n")
+    (root / "memory.max").write_text("2147483648\n")
+    proc_cgroup = tmp_path / "cgroup.txt"
+    proc_cgroup.write_text("0::/rtfleet.slice/shminfer@ccx0.service\n")
+    limit = cgroup_memory_limit(str(root), str(proc_cgroup))
+    assert limit == (1 << 30, str(leaf.parent / "memory.max"))
+    (leaf / "memory.max").write_text("524288\n")
+    assert cgroup_memory_limit(str(root), str(proc_cgroup))[0] == 1 << 19
+    proc_cgroup.write_text("12:memory:/rtfleet.slice\n")  # cgroup v1 only: not read
+    assert cgroup_memory_limit(str(root), str(proc_cgroup)) is None
 
 
 def _own_cgroup():
@@ -506,3 +559,6 @@ def test_a_foreign_clock_does_not_push_the_queue_wait_to_millions_of_ms():
         records, _ = seg.ring_read(head)
         waits = records[:, RING_FIELDS.index("queue_wait_ns")]
         assert len(waits) == 3 and waits.max() <= QUEUE_WAIT_MAX_NS, waits / 1e6
+        head = seg.get("ring_head")
+        assert foreign_clock(client, 4.0, stamp=1 << 63) == DONE  # after the batch's start
+        assert seg.ring_read(head)[0][0, RING_FIELDS.index("queue_wait_ns")] == 0
