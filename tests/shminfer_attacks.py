@@ -185,7 +185,8 @@ def honest(name, seconds, tag, max_requests=None):
     first = tag * 10_000_000
     received, delivered = [], []
     timeouts, timeout_s = 0, 0.0
-    client = Client(name, timeout=5, slots_per_worker=3)
+    # An honest client starting while the peer's flood holds every connection retries.
+    client = _attach(name, 120, timeout=5, slots_per_worker=3)
     client.wait_ready(60)
     started = time.monotonic()
     until = started + seconds
@@ -266,7 +267,7 @@ def attack_once(name, client):
 
 def attacker(name, seconds):
     """Cycle through every attack until ``seconds`` pass; prints how many rounds."""
-    with Client(name, slots_per_worker=2, timeout=10) as client:
+    with _attach(name, 120, slots_per_worker=2, timeout=10) as client:
         until = time.monotonic() + seconds
         rounds = 0
         while time.monotonic() < until:
