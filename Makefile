@@ -11,7 +11,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 # Lab hosts for the demo: NAME=TOPOLOGY (see lab/topologies/).
 DEMO_HOSTS ?= server1=server-nps2 vmware1=vmware-like
 
-.PHONY: help setup deps demo demo-down test test-vm lint sanity collection unit molecule molecule-all drills bench clean
+.PHONY: help setup deps demo demo-down test test-vm lint sanity collection unit molecule molecule-all drills bench soak clean
 
 help:
 	@echo "make demo   - bring up the QEMU lab and run site.yml against it"
@@ -19,6 +19,7 @@ help:
 	@echo "make setup  - create .venv with rtfleet and the pinned tool chain"
 	@echo "make drills - fault drills (power cuts, a killed controller...) on a lab VM"
 	@echo "make bench  - topology + plan timing on a 2-socket 256-CPU tree"
+	@echo "make soak   - shminfer: 8 honest clients and one attacking peer for 10 minutes"
 
 $(STAMP): pyproject.toml shminfer/pyproject.toml shminfer/setup.py shminfer/src/shminfer/_fast.c requirements/dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "rtfleet needs Python >= 3.11 (ansible-core 2.19)")'
@@ -113,6 +114,11 @@ test-vm: setup deps
 
 bench: setup
 	$(BIN)/python benchmarks/bench_plan.py
+
+# shminfer under one hostile peer (issue 27): 8 honest clients and every attack, 10 minutes.
+SOAK_MINUTES ?= 10
+soak: setup
+	$(BIN)/python benchmarks/soak_shminfer.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info shminfer/build shminfer/src/*.egg-info shminfer/src/shminfer/*.so .pytest_cache .ruff_cache .hypothesis

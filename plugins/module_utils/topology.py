@@ -317,7 +317,7 @@ def _numbered(names, prefix):
     """{N: name} for entries named prefixN (cpu12, node3, index2)."""
     found = {}
     for name in names:
-        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        if name.startswith(prefix) and _NUMBER.match(name[len(prefix) :]):
             found[int(name[len(prefix) :])] = name
     return found
 

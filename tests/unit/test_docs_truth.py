@@ -9,6 +9,7 @@ the docs and metadata state agree with each other and with what CI installs. Run
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from pathlib import Path
@@ -16,6 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO
+
+from shminfer import leases, limits
+from shminfer.codec import MAX_ARRAYS
+from shminfer.queue import QUEUE_WAIT_MAX_NS
+from shminfer.server import Server
 
 HISTORY = {"docs/runs.md", "docs/issue-13-note.md", "CHANGELOG.rst"}
 MARKDOWN = [
@@ -223,3 +229,40 @@ def test_shminfer_states_one_version():
     init = _first(r'(?m)^__version__ = "([^"]+)"', "shminfer/src/shminfer/__init__.py")
     docs = _first(r"version (\d+\.\d+\.\d+)", "docs/shminfer.md")
     assert pyproject == init == docs
+
+
+def test_the_shminfer_limits_the_docs_state_are_the_code_s():
+    """shminfer/README.md and the runtime role's README state the limits of issue 27 with
+    the code's numbers (each behaviour is tested in tests/unit/test_shminfer_dos.py)."""
+    readme = (REPO / "shminfer/README.md").read_text()
+    role = (REPO / "roles/rtfleet_runtime/README.md").read_text()
+    nofile = yaml.safe_load((REPO / "roles/rtfleet_runtime/defaults/main.yml").read_text())[
+        "rtfleet_runtime_limit_nofile"
+    ]
+    low, high = inspect.signature(Server).parameters["restart_backoff_s"].default
+    stated = {
+        readme: [
+            f"N an integer 0..{limits.MAX_LEASE_SLOTS}, at most\n  {limits.MAX_LINE} bytes",
+            f"less {limits.FD_RESERVE} and {limits.FD_PER_WORKER} per worker",
+            f"no line within {leases.HANDSHAKE_S:g} s",
+            f"accept pauses for {leases._ACCEPT_PAUSE_S:g} s",
+            f"`LimitNOFILE={nofile}`",
+            f"backoff of {low:g} s that doubles on every\n  death up to {high:g} s",
+            f"lived the maximum ({high:g} s)",
+            f"Every {limits.HEALTH_EVERY_S:g} s (`--health-every-s`",
+            f"READY for {limits.HEALTH_STUCK_S:g} s\n  (`--health-stuck-s`)",
+            f"failed for {limits.HEALTH_GRACE_S:g} s (`--health-grace-s`)",
+            f"more than {QUEUE_WAIT_MAX_NS // 10**9} s before it",
+            f"more than {MAX_ARRAYS} arrays",
+        ],
+        role: [
+            f"`LimitNOFILE={nofile}`",
+            f"less {limits.FD_RESERVE} and {limits.FD_PER_WORKER} per worker",
+            "every second",
+            f"READY for {limits.HEALTH_STUCK_S:g} s",
+            f"After {limits.HEALTH_GRACE_S:g} s of failed\n  checks",
+        ],
+    }
+    missing = [text for doc, texts in stated.items() for text in texts if text not in doc]
+    assert not missing, missing
+    assert limits.HEALTH_EVERY_S == 1.0  # "every second"

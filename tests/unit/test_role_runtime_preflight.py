@@ -93,6 +93,7 @@ def test_runtime_refuses_a_plan_without_runtime_groups(tmp_path, trees, runtime_
         ({"rtfleet_runtime_model_src": "/nonexistent/models"}, "empty or a directory"),
         ({"rtfleet_runtime_memory_max_per_worker_mib": 16}, "at least 128 (got 16)"),
         ({"rtfleet_runtime_tasks_max_per_worker": 2}, "at least 8 (got 2)"),
+        ({"rtfleet_runtime_limit_nofile": 256}, "at least 1024 (got 256)"),
         ({"rtfleet_runtime_backend": "tensorrt"}, "rtfleet_runtime_backend"),
     ],
 )

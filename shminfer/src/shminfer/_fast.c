@@ -310,6 +310,7 @@ static PyObject *fast_answer(PyObject *self, PyObject *args)
 #define CPU_EXACT_NS 100000ull
 #define CPU_NOT_MEASURED UINT64_MAX
 #define THREAD_SAMPLE_EVERY 16u
+#define QUEUE_WAIT_MAX_NS 60000000000ull /* queue.QUEUE_WAIT_MAX_NS */
 /* The process CPU clock is a syscall (0.6 us here, on the critical path when read at the
  * claim). While Loop.serve spins for work it reads that clock every SPIN_CPU_REFRESH_NS;
  * a request claimed within SPIN_CPU_MAX_AGE_NS of such a reading, in the same spin, takes
@@ -642,6 +643,8 @@ scan:
     /* The claim, as Worker._claim: recorded before PROCESSING; then the tag, read once. */
     __atomic_store_n(&self->claims[index], 1u, __ATOMIC_RELAXED);
     __atomic_store_n((uint32_t *)geo_state(&self->geo, index), ST_PROCESSING, __ATOMIC_RELEASE);
+    if (self->status) /* claims made: progress, for the supervisor's health check */
+        __atomic_add_fetch(self->status + 1, 1, __ATOMIC_RELAXED);
     tag = *(volatile uint64_t *)(slot + S_SEQ);
     start_ns = monotonic_ns();
     *(volatile uint64_t *)(slot + S_START_NS) = start_ns;
@@ -720,7 +723,11 @@ scan:
     *(volatile uint64_t *)(slot + S_RESPONSE_SEQ) = tag;
     *(volatile uint64_t *)(slot + S_DONE_NS) = done_ns;
     enqueued = *(volatile uint64_t *)(slot + S_ENQUEUE_NS);
-    queue_wait = enqueued < start_ns ? start_ns - enqueued : 0;
+    /* As queue.queue_wait_ns: a stamp after the start or over QUEUE_WAIT_MAX_NS before it
+     * is another clock's (a client in another time namespace), recorded as no wait. */
+    queue_wait = enqueued <= start_ns && start_ns - enqueued <= QUEUE_WAIT_MAX_NS
+                     ? start_ns - enqueued
+                     : 0;
     head = *(volatile uint64_t *)(self->geo.base + H_RING_HEAD);
     record = (uint64_t *)(self->geo.base + self->geo.ring_off +
                           (head % self->geo.ring_records) * RING_RECORD);

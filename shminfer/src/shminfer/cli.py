@@ -13,6 +13,7 @@ import numpy as np
 from shminfer.backends import BACKENDS, BackendError, make_model
 from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
+from shminfer.limits import CGROUP_ROOT, HEALTH_EVERY_S, HEALTH_GRACE_S, HEALTH_STUCK_S
 from shminfer.metrics import slow_batches, summarize
 from shminfer.queue import (
     CPU_EXACT_NS,
@@ -87,6 +88,8 @@ def cmd_serve(args) -> int:
         response_bytes=args.response_bytes,
         group=args.group,
         batch_deadline_s=args.batch_deadline_s,
+        health=(args.health_every_s, args.health_stuck_s, args.health_grace_s),
+        cgroup_root=args.cgroup_root,
         worker_options={
             "threads": 1,
             "min_batch": args.min_batch,
@@ -380,6 +383,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="a batch running longer gets its worker killed and restarted, its requests an error",
     )
+    serve.add_argument(
+        "--health-every-s",
+        type=_bounded("--health-every-s", 0.0, 3600.0, float),
+        default=HEALTH_EVERY_S,
+        help="the supervisor's health check period: its own client attaches, and no request "
+        f"sits READY for an idle worker (0: off; default {HEALTH_EVERY_S:g})",
+    )
+    serve.add_argument(
+        "--health-stuck-s",
+        type=_bounded("--health-stuck-s", 0.1, 3600.0, float),
+        default=HEALTH_STUCK_S,
+        help="a request READY this long while its worker is idle and claims nothing fails the "
+        f"check (default {HEALTH_STUCK_S:g})",
+    )
+    serve.add_argument(
+        "--health-grace-s",
+        type=_bounded("--health-grace-s", 0.0, 3600.0, float),
+        default=HEALTH_GRACE_S,
+        help="checks failing this long stop the watchdog pings and end the server with exit "
+        f"code 2 (default {HEALTH_GRACE_S:g})",
+    )
+    serve.add_argument("--cgroup-root", default=CGROUP_ROOT, help=argparse.SUPPRESS)  # tests
     serve.add_argument("--min-batch", type=int, default=1)
     serve.add_argument("--max-batch", type=int, default=16)
     serve.add_argument(

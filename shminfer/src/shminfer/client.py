@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -15,7 +16,7 @@ import weakref
 import numpy as np
 
 from shminfer import _sys
-from shminfer.codec import Decoder, Encoder, PayloadError
+from shminfer.codec import Decoder, Encoder, PayloadError, TooLarge
 from shminfer.queue import (
     DONE,
     ERROR,
@@ -183,17 +184,14 @@ def attach(name: str, slots_per_worker: int, timeout: float):
     fds = []
     try:
         sock.settimeout(max(timeout, 0.01))
-        try:
-            sock.connect(path)
-        except PermissionError:
-            raise QueueError(not_in_group(path, st.st_gid)) from None
-        except (ConnectionRefusedError, FileNotFoundError):
-            raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
+        _connect(sock, name, path, st, time.monotonic() + max(timeout, 0.01))
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _peer_pid, peer_uid, _peer_gid = struct.unpack("3i", creds)
         if peer_uid != st.st_uid:
             raise QueueError(f"{path}: the server runs as uid {peer_uid}, not the socket's owner")
-        sock.sendall(json.dumps({"slots": slots_per_worker}).encode() + b"\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # A server that refused at once (its connection cap) said why: read it below.
+            sock.sendall(json.dumps({"slots": slots_per_worker}).encode() + b"\n")
         raw, fds, _flags, _addr = socket.recv_fds(sock, _MAX_ANSWER, 64)
         if not raw.endswith(b"\n"):
             raise QueueError(f"server {name}: truncated answer on {path}")
@@ -234,6 +232,26 @@ def attach(name: str, slots_per_worker: int, timeout: float):
             os.close(fd)
         sock.close()
         raise
+
+
+def _connect(sock, name, path, st, deadline):
+    """Connect, retrying while the server's listen backlog is full (EAGAIN on a unix
+    socket) until ``deadline``; each failure is one line."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except PermissionError:
+            raise QueueError(not_in_group(path, st.st_gid)) from None
+        except (ConnectionRefusedError, FileNotFoundError):
+            raise QueueError(f"server {name} is not running ({path} refuses connections)") from None
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise QueueError(
+                    f"server {name}: its listen backlog is full ({path}: too many clients "
+                    "connecting at once, or the server is not accepting); try again later"
+                ) from None
+            time.sleep(0.01)
 
 
 def _closed(sock) -> bool:
@@ -409,19 +427,21 @@ class Client:
         words[slot] = WRITING
         try:
             length = lane.encoder.encode_into(request, inputs, slot=slot)
+            if port is not None:
+                lane.teach_send(slot)  # the next request of this layout goes through port.send
         except PayloadError as exc:
             words[slot] = FREE
             lane.free.append(slot)
-            raise PayloadError(
-                f"request refused: {exc}; send smaller batches or start the server with a "
-                "larger --request-bytes"
-            ) from None
+            hint = (
+                "; send smaller batches or start the server with a larger --request-bytes"
+                if isinstance(exc, TooLarge)
+                else ""
+            )
+            raise PayloadError(f"request refused: {exc}{hint}") from None
         except BaseException:
             words[slot] = FREE
             lane.free.append(slot)
             raise
-        if port is not None:
-            lane.teach_send(slot)  # the next request of this layout goes through port.send
         if fast is not None:
             # request_len, seq, enqueue_ns, READY, doorbell: the same stores, in C.
             fast.publish(slot_addr, state_addr, seg.header_addr, length, seq)

@@ -35,6 +35,23 @@ class PayloadError(ValueError):
     """A payload that does not fit or cannot be decoded; the message names the problem."""
 
 
+class TooLarge(PayloadError):
+    """A payload larger than the slot it is written into."""
+
+
+def _dtype(name, code: str) -> np.dtype:
+    """The dtype of array ``name`` from its code (``dtype.str``), if a payload may carry it:
+    the one check of writer and reader."""
+    if not _DTYPE.match(code):
+        raise PayloadError(
+            f"array {name!r}: dtype code {code!r} refused (plain numeric and bool dtypes only)"
+        )
+    dtype = np.dtype(code)
+    if dtype.hasobject or dtype.fields or dtype.itemsize > MAX_ITEMSIZE:
+        raise PayloadError(f"array {name!r}: dtype {code!r} refused")
+    return dtype
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
@@ -95,9 +112,17 @@ class Encoder:
         key = tuple((name, a.dtype, a.shape) for name, a in arrays.items())
         layout = self._layouts.get(key)
         if layout is None:
+            # What the reader refuses is refused here, before a byte is written (a struct
+            # or attribute error deep in the packing, or a half-written slot, otherwise).
+            if len(arrays) > MAX_ARRAYS:
+                raise PayloadError(f"{len(arrays)} arrays in one payload (at most {MAX_ARRAYS})")
+            for name, a in arrays.items():
+                if type(name) is not str:
+                    raise TypeError(f"array names must be str, not {type(name).__name__}")
+                if a.dtype.hasobject:
+                    raise PayloadError("object arrays cannot be shared: use numeric dtypes")
+                _dtype(name, a.dtype.str)
             spec = [(name, a.dtype, a.shape) for name, a in arrays.items()]
-            if any(a.dtype.hasobject for a in arrays.values()):
-                raise PayloadError("object arrays cannot be shared: use numeric dtypes")
             if len(self._layouts) >= self._max:
                 self._layouts.clear()
                 self._dests.clear()
@@ -165,9 +190,7 @@ class Encoder:
             arrays = {name: np.asarray(a) for name, a in arrays.items()}
         layout = self.layout(arrays)
         if layout.total > len(buf):
-            raise PayloadError(
-                f"payload of {layout.total} bytes does not fit a {len(buf)}-byte slot"
-            )
+            raise TooLarge(f"payload of {layout.total} bytes does not fit a {len(buf)}-byte slot")
         dests = self._dests.get((slot, layout)) if slot is not None else None
         if dests is None:
             dests = [
@@ -299,11 +322,9 @@ class Decoder:
                 pos += 1 + n
                 n = header[pos]
                 code = header[pos + 1 : pos + 1 + n].decode("ascii")
-                if len(code) != n or not _DTYPE.match(code):
+                if len(code) != n:
                     raise PayloadError(f"array {name!r}: dtype code {code!r} refused")
-                dtype = np.dtype(code)
-                if dtype.hasobject or dtype.fields or dtype.itemsize > MAX_ITEMSIZE:
-                    raise PayloadError(f"array {name!r}: dtype {code!r} refused")
+                dtype = _dtype(name, code)
                 pos += 1 + n
                 ndim = header[pos]
                 pos += 1

@@ -3,7 +3,8 @@
 Segment layout (all little-endian)::
 
     page 0      header (magic, geometry, pids, doorbell futex, model description)
-    states      slot_count x u32, contiguous: each a futex word; a scan is one bytes.find
+    states      slot_count x u32, contiguous: each a futex word; a slot is READY when its
+                u32 word equals READY (the C scans and the Python ones alike, see ready_slots)
     slot table  slot_count x 128-byte slot headers
     requests    slot_count x request_bytes  (64-byte aligned)
     responses   slot_count x response_bytes
@@ -117,6 +118,17 @@ CPU_EXACT_NS = 100_000
 CPU_NOT_MEASURED = (1 << 64) - 1
 RING_FIELDS = ("done_ns", "wall_ns", "process_cpu_ns", "thread_cpu_ns", "queue_wait_ns", "batch")
 _RING = struct.Struct("<6Q")
+# A request's queue wait comes from its enqueue stamp, a client's clock: a stamp after the
+# batch's start, or more than this before it (a client in another time namespace), is no
+# wait this worker saw and is recorded as 0 (the C loop, _fast.c, does the same).
+QUEUE_WAIT_MAX_NS = 60 * 10**9
+
+
+def queue_wait_ns(start_ns: int, enqueued_ns: int) -> int:
+    """The queue wait of a request enqueued at ``enqueued_ns`` whose batch started at
+    ``start_ns``; 0 when the stamp is not a plausible one (QUEUE_WAIT_MAX_NS)."""
+    wait = start_ns - enqueued_ns
+    return wait if 0 <= wait <= QUEUE_WAIT_MAX_NS else 0
 
 
 MAX_SLOTS = 4096
@@ -158,6 +170,21 @@ def _geometry(slot_count, request_bytes, response_bytes, ring_records):
     ring = responses + slot_count * response_bytes
     total = ring + ring_records * _RING.size
     return states, table, requests, responses, ring, _round_page(total)
+
+
+RING_RECORDS = 8192
+
+
+def slot_bytes(value: int) -> int:
+    """A slot's request or response size as a segment lays it out (64-byte multiples)."""
+    return (int(value) + 63) // 64 * 64
+
+
+def segment_bytes(slot_count, request_bytes, response_bytes, ring_records=RING_RECORDS) -> int:
+    """The bytes of one worker's segment (each is fully allocated at start)."""
+    return _geometry(
+        slot_count, slot_bytes(request_bytes), slot_bytes(response_bytes), ring_records
+    )[-1]
 
 
 class Segment:
@@ -228,7 +255,7 @@ class Segment:
         slot_count=64,
         request_bytes=65536,
         response_bytes=65536,
-        ring_records=8192,
+        ring_records=RING_RECORDS,
         numa_node=-1,
         cpu=-1,
         mode=0o600,
@@ -247,10 +274,9 @@ class Segment:
         ):
             if not 64 <= int(value) <= MAX_SLOT_BYTES:
                 raise QueueError(f"{flag} must be 64..{MAX_SLOT_BYTES} (1 GiB), got {value}")
-        request_bytes = (int(request_bytes) + 63) // 64 * 64
-        response_bytes = (int(response_bytes) + 63) // 64 * 64
+        request_bytes, response_bytes = slot_bytes(request_bytes), slot_bytes(response_bytes)
         geometry = (slot_count, request_bytes, response_bytes, ring_records)
-        size = _geometry(*geometry)[-1]
+        size = segment_bytes(*geometry)
         available = _mem_available()
         if available is not None and size > available:
             raise QueueError(
@@ -316,10 +342,10 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        if mm[:8] != MAGIC:
-            mm.close()
-            os.close(fd)
-            raise QueueError(f"{name} is not a shminfer segment (bad magic)")
+        # No magic check: the header is every client's to scribble, and the fd's provenance
+        # (the server's socket, its peer's uid, a sealed memfd of the announced size) is
+        # what is trusted. A peer that overwrote the magic must not lock out new clients
+        # nor crash-loop a restarted worker (issue 27).
         try:
             return cls(f"memfd:{name}", fd, mm, owner=False, geometry=geometry)
         except BaseException:
@@ -366,16 +392,26 @@ class Segment:
         return self._slot_addr0 + SLOT_HEADER * index
 
     def any_ready(self):
-        return self.mm.find(_READY_WORD, self.states_off, self._states_end) != -1
+        return self._next_ready(self.states_off) != -1
+
+    def _next_ready(self, pos):
+        """Offset of the first READY word at or after ``pos``, or -1. READY is a u32 compare,
+        as in the C scans (_fast.c): a byte match that is not on a word boundary (the word
+        0x02000000 followed by FREE) is no READY slot; a peer's word must not keep the
+        worker awake (issue 27) or be claimed as a request."""
+        find, start, end = self.mm.find, self.states_off, self._states_end
+        pos = find(_READY_WORD, pos, end)
+        while pos != -1 and (pos - start) & 3:
+            pos = find(_READY_WORD, pos + 1, end)
+        return pos
 
     def ready_slots(self):
-        """Indices of READY slots. A u32 state's low byte is its only non-zero byte, so a
-        byte match of the little-endian word can only start on a word boundary."""
+        """Indices of READY slots (see :meth:`_next_ready`)."""
         found = []
-        pos = self.mm.find(_READY_WORD, self.states_off, self._states_end)
+        pos = self._next_ready(self.states_off)
         while pos != -1:
             found.append((pos - self.states_off) // 4)
-            pos = self.mm.find(_READY_WORD, pos + 4, self._states_end)
+            pos = self._next_ready(pos + 4)
         return found
 
     def request_view(self, index) -> memoryview:

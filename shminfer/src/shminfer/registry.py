@@ -205,7 +205,7 @@ def read_registry(name: str, trusted=None) -> dict:
     check_unit_dir(name, trusted)
     path = registry_path(name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = _open_registry(path)
     except FileNotFoundError:
         raise QueueError(f"no shminfer server named {name!r} ({path} is missing)") from None
     except PermissionError:
@@ -214,17 +214,27 @@ def read_registry(name: str, trusted=None) -> dict:
         if exc.errno == errno.ELOOP:
             raise QueueError(f"{path} is a symlink: refused") from None
         raise QueueError(f"{path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as handle:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_REGISTRY:
-            raise QueueError(f"{path} is not a shminfer registry (not a small regular file)")
-        check_owner(st, path, trusted)
-        raw = handle.read(_MAX_REGISTRY + 1)
+    st, raw = _read_registry_fd(fd, path)
+    check_owner(st, path, trusted)
     try:
         data = json.loads(raw)
     except ValueError:
         raise QueueError(f"{path}: not a shminfer registry (bad JSON)") from None
     return _checked(name, data, path)
+
+
+def _open_registry(path: str) -> int:
+    """Never blocks (a FIFO planted as the registry), never follows a symlink."""
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
+def _read_registry_fd(fd: int, path: str):
+    """(fstat, bytes) of an fd from _open_registry (closed here): a small regular file."""
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_REGISTRY:
+            raise QueueError(f"{path} is not a shminfer registry (not a small regular file)")
+        return st, handle.read(_MAX_REGISTRY + 1)
 
 
 def _checked(name, data, path):
@@ -327,10 +337,11 @@ class NameLock:
 
 
 def _running_pid(name):
+    path = registry_path(name)
     try:
-        with open(registry_path(name), "rb") as handle:
-            return f"pid {int(json.loads(handle.read(_MAX_REGISTRY))['pid'])}"
-    except (OSError, ValueError, KeyError, TypeError):
+        _st, raw = _read_registry_fd(_open_registry(path), path)
+        return f"pid {int(json.loads(raw)['pid'])}"
+    except (OSError, QueueError, ValueError, KeyError, TypeError):
         return "starting"
 
 

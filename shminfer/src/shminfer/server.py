@@ -2,36 +2,46 @@
 leases slots to clients over a unix socket, reclaims slots of departed clients, kills a
 worker whose batch overruns its deadline, serves metrics.
 
-Leases are per connection: a client connects to ``shminfer.NAME.sock``, asks for N slots
-per worker and receives the segments' memfds (SCM_RIGHTS) with the geometry and its
-slots; the connection stays open for the lease's life. When it closes (the client closed,
-exited or was killed) its slots return to the pool, each once no request of it is in
-flight. No lock is shared with clients: nothing a peer holds can stall this loop."""
+Leases are per connection (leases.py): a client connects to the unit's socket, asks for
+N slots per worker and receives the segments' memfds (SCM_RIGHTS) with the geometry and
+its slots; when the connection closes its slots return to the pool. The unit checks its
+settings and its queues against its memory cgroup before it starts, and itself while it
+runs (limits.py): a unit that cannot serve exits 2 for systemd to restart it. No lock is
+shared with clients: nothing a peer holds can stall this loop."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import grp
-import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
 import secrets
-import selectors
 import signal
 import socket
-import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from shminfer import _sys
 from shminfer.backends import BackendError, check_model
+from shminfer.client import attach
+from shminfer.leases import PROTOCOL, Leases
+from shminfer.limits import (
+    CGROUP_ROOT,
+    HEALTH_ATTACH_TIMEOUT_S,
+    HEALTH_EVERY_S,
+    HEALTH_GRACE_S,
+    HEALTH_STUCK_S,
+    Health,
+    check_queue_memory,
+    check_settings,
+    connection_cap,
+)
 from shminfer.metrics import SLOW_CPU_MS, SLOW_WALL_MS, collect, prometheus_text
 from shminfer.queue import (
-    FREE,
     PROCESSING,
     READY,
     WORKER_DEAD,
@@ -69,10 +79,8 @@ THREAD_ENV = (
 )
 
 
-PROTOCOL = 2
-_MAX_LINE = 4096
-_MAX_CONNECTIONS = 1024
 LOAD_FAILED = 3  # the worker's exit code when the model does not load
+UNHEALTHY = 2  # serve's exit code when its health check failed (systemd restarts it)
 
 
 class _InheritFd:
@@ -90,17 +98,7 @@ def _inherited(dup):
     return dup.detach()
 
 
-class _Conn:
-    __slots__ = ("buf", "leases", "pid", "sock")
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.buf = b""
-        self.leases = {}  # cpu -> [slot]
-        self.pid = 0
-
-
-class Server:
+class Server(Leases):
     def __init__(
         self,
         name,
@@ -116,10 +114,26 @@ class Server:
         worker_options=None,
         restart_backoff_s=(0.1, 5.0),
         batch_deadline_s=30.0,
+        health=(HEALTH_EVERY_S, HEALTH_STUCK_S, HEALTH_GRACE_S),
+        cgroup_root=CGROUP_ROOT,
     ):
         self.name = check_name(name)
         if not cpus:
             raise ValueError("at least one CPU is needed (--cpus)")
+        if not batch_deadline_s or batch_deadline_s <= 0:
+            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
+        # Every setting together, before anything starts: one line on what cannot work.
+        check_settings(
+            cpus=cpus,
+            slots=slots,
+            batch_deadline_s=batch_deadline_s,
+            worker_options=worker_options or {},
+            health=health,
+        )
+        self.max_connections = connection_cap(len(cpus))
+        self.health = Health(*health) if health[0] else None
+        self.unhealthy = None  # why the health check gave up on this unit
+        self.cgroup_root = cgroup_root
         allowed = os.sched_getaffinity(0)
         outside = sorted(set(cpus) - allowed)
         if outside:
@@ -127,8 +141,6 @@ class Server:
                 f"CPUs {outside} are outside this process's affinity {sorted(allowed)}: "
                 "check --cpus against the unit's CPUAffinity"
             )
-        if not batch_deadline_s or batch_deadline_s <= 0:
-            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
         self.cpus = list(cpus)
         self.numa_node = numa_node
         self.backend = backend
@@ -149,12 +161,15 @@ class Server:
         self.backoff_min, self.backoff_max = restart_backoff_s
         self.segments = {}
         self.processes = {}
-        self.status = {}  # cpu -> private [busy_since_ns] shared with that worker
+        # cpu -> private [busy_since_ns, claims made, loaded] shared with that worker
+        self.status = {}
         # cpu -> private u32 per slot, non-zero while that worker holds the slot (claimed,
         # not yet answered). Only the supervisor and the worker map it: a slot a worker
         # holds is never leased or freed, whatever its (peer-writable) state word says.
         self.claims = {}
         self.restarts = dict.fromkeys(self.cpus, 0)
+        self.backoff = dict.fromkeys(self.cpus, self.backoff_min)
+        self._spawned = {}  # cpu -> when its worker was last spawned (monotonic)
         self.load_failure = None
         self._kill_reason = {}
         self._stop = threading.Event()
@@ -168,6 +183,7 @@ class Server:
         self._lock = None
         self._listener = None
         self._lease_thread = None
+        self._health_thread = None
         self._lease_mutex = threading.Lock()
         self._holder = {}  # cpu -> [conn or None] per slot
         self._generation = {}  # cpu -> [lease generation] per slot
@@ -178,6 +194,14 @@ class Server:
 
     def start(self):
         """Check the model, take the name, create the queues, open the socket, spawn."""
+        check_queue_memory(
+            self.name,
+            len(self.cpus),
+            self.slots,
+            self.request_bytes,
+            self.response_bytes,
+            root=self.cgroup_root,
+        )
         make_unit_dir(self.name, self.gid)
         self._lock = NameLock(self.name)  # raises at once if another server has the name
         try:
@@ -198,7 +222,7 @@ class Server:
                 )
                 self._holder[cpu] = [None] * self.slots
                 self._generation[cpu] = [0] * self.slots
-                self.status[cpu] = self._ctx.RawArray("q", 2)
+                self.status[cpu] = self._ctx.RawArray("q", 3)
                 self.claims[cpu] = self._ctx.RawArray("I", self.slots)
             self._listen()
             write_registry(
@@ -239,7 +263,7 @@ class Server:
         if self.gid is not None:
             os.chown(path, -1, self.gid, follow_symlinks=False)
         os.chmod(path, self.mode)  # in our own directory: nobody can swap it meanwhile
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)
         listener.setblocking(False)
         self._listener = listener
         self._lease_thread = threading.Thread(
@@ -254,7 +278,8 @@ class Server:
         segment = self.segments[cpu]
         segment.set("worker_state", WORKER_STARTING)
         segment.set("worker_generation", segment.get("worker_generation") + 1)
-        self.status[cpu][0] = 0
+        self.status[cpu][0] = self.status[cpu][2] = 0
+        self._spawned[cpu] = time.monotonic()
         self._clear_claims(cpu)
         process = self._ctx.Process(
             target=worker_main,
@@ -273,13 +298,21 @@ class Server:
 
     def serve_forever(self, reclaim_every_s=0.1, notifier=None):
         next_restart = {}
-        backoff = dict.fromkeys(self.cpus, self.backoff_min)
+        backoff = self.backoff
         tick = min(reclaim_every_s, 0.1)
         # systemd (Type=notify): "started" once every worker is ready; WATCHDOG=1 only while
-        # this loop turns, so a wedged supervisor is restarted by WatchdogSec=.
+        # this loop turns and the health check passes, so a wedged or sick unit restarts.
         notifier = notifier or Notifier({})
         announced = False
+        if self.health is not None and self._health_thread is None:
+            self._health_thread = threading.Thread(
+                target=self._check_health, name=f"shminfer-{self.name}-health", daemon=True
+            )
+            self._health_thread.start()
         while not self._stop.is_set():
+            if self.unhealthy is not None:
+                log_event("unhealthy", name=self.name, reason=self.unhealthy, exit_code=UNHEALTHY)
+                break
             notifier.watchdog()
             if not announced and all(
                 s.get("worker_state") == WORKER_READY for s in self.segments.values()
@@ -303,14 +336,50 @@ class Server:
                     self.restarts[cpu] += 1
                     self._spawn(cpu)
             for cpu, process in self.processes.items():
-                # A worker that has served for a while earns a fresh backoff.
-                if process is not None and process.is_alive() and cpu not in next_restart:
-                    backoff[cpu] = max(self.backoff_min, backoff[cpu] / 2)
+                # A worker that loaded and has lived backoff_max since earns a fresh
+                # backoff; a starting (or crash-looping) one does not: it keeps growing.
+                if (
+                    process is not None
+                    and self.status[cpu][2]
+                    and now - self._spawned[cpu] >= self.backoff_max
+                ):
+                    backoff[cpu] = self.backoff_min
             self.check_deadlines()
             self.reclaim_dead_clients()
             if self.metrics_textfile and now >= self._metrics_due:
                 self._metrics_due = now + self.metrics_every_s
                 self.write_metrics_textfile()
+
+    def _check_health(self):
+        """The health thread: one check every health.every_s; once they have failed for
+        health.grace_s, ``unhealthy`` says why and serve_forever ends (exit 2)."""
+        health = self.health
+        while not self._stop.wait(health.every_s):
+            reason = self.health_reason()
+            if reason is not None and health.failing_since is None:
+                log_event("health_check_failed", name=self.name, reason=reason)
+            if health.record(reason):
+                self.unhealthy = reason
+                return
+
+    def health_reason(self):
+        """Why this unit is not serving, or None: its own client cannot attach, or a request
+        sits READY for a loaded, idle worker that claims nothing (limits.Health)."""
+        try:
+            sock, _answer, segments = attach(self.name, 0, HEALTH_ATTACH_TIMEOUT_S)
+        except (QueueError, OSError, ValueError) as exc:
+            return f"the supervisor's own client cannot attach: {exc}"
+        for segment in segments:
+            segment.close()
+        sock.close()
+        now = time.monotonic()
+        for cpu, segment in list(self.segments.items()):
+            process = self.processes.get(cpu)
+            alive = process is not None and process.is_alive()
+            reason = self.health.stuck(cpu, segment, self.status[cpu], alive, now)
+            if reason is not None:
+                return reason
+        return None
 
     def check_deadlines(self):
         """Kill a worker whose batch has run past --batch-deadline-s; it is restarted and
@@ -352,191 +421,6 @@ class Server:
         if claims is not None:
             ctypes.memset(claims, 0, ctypes.sizeof(claims))
 
-    def _leasable(self, cpu, index):
-        """Slot ``index`` holds nothing anybody may still write an answer into: no request
-        of a departed holder in flight, and not held by the worker. The state word is a
-        peer's to scribble; the claim is the worker's own record (private memory), so a
-        peer that rewrites the state word of a slot the worker holds cannot get it freed
-        and leased to another client, into whose request the worker would then answer
-        the old one. The state is read before the claim: the worker stores its claim
-        before PROCESSING, so a PROCESSING read here finds the claim."""
-        if int(self.segments[cpu].states[index]) in (READY, PROCESSING):
-            return False
-        return not self.claims[cpu][index]
-
-    # ------------------------------------------------------------ leases
-
-    def _serve_leases(self, listener):
-        selector = selectors.DefaultSelector()
-        selector.register(listener, selectors.EVENT_READ, None)
-        try:
-            while not self._stop.is_set():
-                for key, _ in selector.select(timeout=0.1):
-                    if key.data is None:
-                        self._accept(selector, listener)
-                    else:
-                        self._readable(selector, key.data)
-        except (OSError, ValueError):  # the listener closed under us at stop
-            pass
-        finally:
-            for conn in list(self._conns.values()):
-                self._drop(selector, conn)
-            selector.close()
-
-    def _accept(self, selector, listener):
-        try:
-            sock, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        if len(self._conns) >= _MAX_CONNECTIONS:
-            sock.close()
-            return
-        sock.setblocking(False)
-        conn = _Conn(sock)
-        # The kernel's word for the client's pid, in this server's pid namespace: what a
-        # client says is its own namespace's (a container's pid 1) or a lie.
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        conn.pid = struct.unpack("3i", creds)[0]
-        self._conns[sock.fileno()] = conn
-        selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _readable(self, selector, conn):
-        try:
-            data = conn.sock.recv(_MAX_LINE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(selector, conn)
-            return
-        if conn.leases is None:
-            return  # answered already; anything more is ignored until it closes
-        conn.buf += data
-        if b"\n" not in conn.buf:
-            if len(conn.buf) > _MAX_LINE:
-                self._drop(selector, conn)
-            return
-        line = conn.buf.split(b"\n", 1)[0]
-        conn.buf = b""
-        try:
-            request = json.loads(line)
-            count = int(request.get("slots", 0))
-            if not 0 <= count <= 1 << 20:
-                raise ValueError("slots must be 0..2**20")
-            count = min(count, self.slots)
-        except (ValueError, TypeError, AttributeError) as exc:
-            self._reply(selector, conn, {"ok": False, "error": f"bad request: {exc}"})
-            return
-        refusal = None
-        with self._lease_mutex:
-            workers = []
-            for cpu in self.cpus:
-                slots = self._lease(cpu, conn, count)
-                if count and not slots:
-                    self._release(conn)
-                    refusal = (
-                        f"{segment_name(self.name, cpu)}: no free slot to lease (all held by "
-                        "other clients or answering departed ones); start the server with more "
-                        "--slots"
-                    )
-                    break
-                workers.append(
-                    {
-                        "cpu": cpu,
-                        "segment": segment_name(self.name, cpu),
-                        "geometry": list(self.segments[cpu].geometry),
-                        "slots": slots,
-                    }
-                )
-        if refusal is not None:
-            self._reply(selector, conn, {"ok": False, "error": refusal})
-            return
-        answer = {
-            "ok": True,
-            "name": self.name,
-            "pid": os.getpid(),
-            "instance": self.instance,
-            "protocol": PROTOCOL,
-            "workers": workers,
-        }
-        self._reply(selector, conn, answer, [self.segments[c].fd for c in self.cpus])
-
-    def _reply(self, selector, conn, answer, fds=()):
-        raw = json.dumps(answer).encode() + b"\n"
-        try:
-            if fds:
-                socket.send_fds(conn.sock, [raw], list(fds))
-            else:
-                conn.sock.send(raw)
-        except OSError:
-            self._drop(selector, conn)
-            return
-        if not answer.get("ok"):
-            self._drop(selector, conn)
-            return
-        if not conn.leases:
-            # No slots (a reader such as `shminfer stats`): nothing to keep open for.
-            conn.leases = None
-
-    def _lease(self, cpu, conn, count):
-        """Up to ``count`` slots nobody holds and no former holder's request occupies."""
-        segment = self.segments[cpu]
-        holders = self._holder[cpu]
-        leased = []
-        for index in range(self.slots):
-            if len(leased) == count:
-                break
-            if holders[index] is not None or not self._leasable(cpu, index):
-                continue  # held, or a departed holder's request is still being answered
-            segment.states[index] = FREE
-            holders[index] = conn
-            self._generation[cpu][index] = generation = (
-                self._generation[cpu][index] + 1
-            ) & 0xFFFFFFFF
-            segment.slot_set(index, "generation", generation)
-            segment.slot_set(index, "owner_pid", conn.pid or 1)
-            leased.append([index, generation])
-        if leased:
-            conn.leases[cpu] = [index for index, _ in leased]
-        return leased
-
-    def _release(self, conn):
-        for cpu, slots in (conn.leases or {}).items():
-            segment = self.segments.get(cpu)
-            for index in slots:
-                if self._holder[cpu][index] is conn:
-                    self._holder[cpu][index] = None
-                    # A slot with a request in flight, or held by the worker, keeps its
-                    # owner_pid (informational) until the answer is in and
-                    # reclaim_dead_clients frees it.
-                    if segment is not None and self._leasable(cpu, index):
-                        segment.states[index] = FREE
-                        segment.slot_set(index, "owner_pid", 0)
-        conn.leases = {}
-
-    def _drop(self, selector, conn):
-        with self._lease_mutex:
-            self._release(conn)
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            selector.unregister(conn.sock)
-        self._conns.pop(conn.sock.fileno(), None)
-        conn.sock.close()
-
-    def reclaim_dead_clients(self):
-        """Free unleased slots whose last request has ended (a departed client's answer,
-        or a scribble): they go back to the pool."""
-        with self._lease_mutex:
-            for cpu, segment in self.segments.items():
-                holders = self._holder[cpu]
-                states = segment.states
-                for index in range(self.slots):
-                    if holders[index] is None and self._leasable(cpu, index):
-                        if int(states[index]) != FREE:
-                            states[index] = FREE
-                        if segment.owners[index]:
-                            segment.slot_set(index, "owner_pid", 0)
-
     def stop(self, *_):
         self._stop.set()
         for process in self.processes.values():
@@ -560,6 +444,9 @@ class Server:
         if self._lease_thread is not None:
             self._lease_thread.join(5)
             self._lease_thread = None
+        if self._health_thread is not None:
+            self._health_thread.join(HEALTH_ATTACH_TIMEOUT_S + 5)
+            self._health_thread = None
         for segment in self.segments.values():
             segment.set("worker_state", WORKER_STOPPED)
             fail_inflight(segment, f"server {self.name} stopped", states=(READY, PROCESSING))
@@ -683,4 +570,7 @@ def run_server(
         server.stop()
     if server.load_failure:
         raise BackendError(server.load_failure + " (see worker_load_failed above)")
+    if server.unhealthy:
+        # The CLI's exit code 2 and this line, in the journal: systemd restarts the unit.
+        raise QueueError(f"server {server.name} is unhealthy: {server.unhealthy}; exiting")
     return 0

@@ -41,6 +41,7 @@ from shminfer.queue import (
     S64_START_NS,
     WORKER_READY,
     Segment,
+    queue_wait_ns,
 )
 
 # A lost wake-up cannot hang the worker: the doorbell futex wait is bounded by this.
@@ -127,9 +128,10 @@ def worker_main(
 ) -> None:
     """``segment_fd`` (inherited at spawn) and ``geometry`` come from the supervisor: the
     header is writable by every client. ``status`` and ``claims`` are private shared
-    memory (not the segment, no client maps them): [busy_since_ns] for the supervisor's
-    batch deadline watchdog, and one u32 per slot, non-zero while this worker holds the
-    slot (from its claim until it has answered), which the supervisor never leases."""
+    memory (not the segment, no client maps them): [busy_since_ns, claims made, loaded]
+    for the supervisor's batch deadline watchdog and health check, and one u32 per slot,
+    non-zero while this worker holds the slot (from its claim until it has answered),
+    which the supervisor never leases."""
     _die_with_parent()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})
@@ -144,6 +146,8 @@ def worker_main(
     segment.set_model_info(info)
     segment.set("worker_pid", os.getpid())
     segment.set("worker_state", WORKER_READY)
+    if status is not None:
+        status[2] = 1  # loaded: private, unlike worker_state (the health check reads it)
     policy = SchedPolicy(sched, rt_priority)
     log_event(
         "worker_ready",
@@ -310,6 +314,8 @@ class Worker:
             words[index] = PROCESSING
             # The request's tag, read once it is ours: every answer carries it back.
             tags[index] = fields[index * S64 + S64_SEQ]
+        if self.status is not None:
+            self.status[1] += len(claimed)  # progress, for the supervisor's health check
         return claimed
 
     # ------------------------------------------------------------ serving
@@ -560,10 +566,12 @@ class Worker:
             # The backend wrote into the response slot: the header is all that is left.
             index = entries[0][0]
             answered = self._answer_in_place(index, out, total_rows, done_ns)
-            oldest = seg.slot64[index * S64 + S64_ENQUEUE_NS] if answered else start_ns
+            enqueued = seg.slot64[index * S64 + S64_ENQUEUE_NS] if answered else start_ns
+            queue_wait = queue_wait_ns(start_ns, enqueued)
         else:
-            answered, oldest = self._encode_answers(entries, outputs, total_rows, done_ns)
-        queue_wait = max(0, start_ns - min(oldest, start_ns))
+            answered, queue_wait = self._encode_answers(
+                entries, outputs, total_rows, start_ns, done_ns
+            )
         # The batch's record goes in before its answers are published: a client that has
         # seen DONE finds its batch in the metrics ring.
         seg.ring_append((done_ns, wall, cpu, thread, queue_wait, total_rows))
@@ -603,11 +611,12 @@ class Worker:
         fields[index * S64 + S64_DONE_NS] = done_ns
         return (index,)
 
-    def _encode_answers(self, entries, outputs, total_rows, done_ns):
-        """Copy each request's part of ``outputs`` into its slot: (answered, oldest enqueue)."""
+    def _encode_answers(self, entries, outputs, total_rows, start_ns, done_ns):
+        """Copy each request's part of ``outputs`` into its slot: (answered, the longest
+        queue wait among them, queue.queue_wait_ns)."""
         seg = self.seg
         row = 0
-        oldest = None
+        queue_wait = 0
         answered = []
         fields = seg.slot64
         lengths = seg.slot32
@@ -635,13 +644,13 @@ class Worker:
                 continue
             base = index * S64
             enqueued = fields[base + S64_ENQUEUE_NS]
-            oldest = enqueued if oldest is None else min(oldest, enqueued)
+            queue_wait = max(queue_wait, queue_wait_ns(start_ns, enqueued))
             lengths[index * S32 + S32_RESPONSE_LEN] = length
             lengths[index * S32 + S32_BATCH_SIZE] = total_rows
             fields[base + S64_RESPONSE_SEQ] = self.tags[index]
             fields[base + S64_DONE_NS] = done_ns
             answered.append(index)
-        return answered, (1 << 64) - 1 if oldest is None else oldest
+        return answered, queue_wait
 
     def _log_slow(self, slots, total_rows, *, measured, cpu, thread, wall, queue_wait):
         log_event(
