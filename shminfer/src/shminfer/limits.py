@@ -30,8 +30,8 @@ MAX_LEASE_SLOTS = 1 << 20
 # under TCG emulation (5-20x slower); what they measure does not scale with CPU speed.
 HEALTH_EVERY_S = 1.0
 HEALTH_STUCK_S = 5.0
-HEALTH_GRACE_S = 3.0
-HEALTH_ATTACH_TIMEOUT_S = 2.0
+HEALTH_GRACE_S = 10.0
+HEALTH_ATTACH_TIMEOUT_S = 5.0
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
