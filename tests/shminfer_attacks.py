@@ -21,9 +21,10 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from shminfer_serving import attach
 
 from shminfer import _sys
-from shminfer.client import Client, InferenceError
+from shminfer.client import InferenceError
 from shminfer.codec import PayloadError
 from shminfer.queue import (
     PROCESSING,
@@ -114,7 +115,7 @@ def flood(name, count):
 
 def leave_with_state(name, word, slots=8):
     """Lease ``slots``, write ``word`` over each state word, leave (in this process)."""
-    with _attach(name, 30, slots_per_worker=slots, timeout=10) as client:
+    with attach(name, 30, slots_per_worker=slots, timeout=10) as client:
         lane = client.lanes[0]
         for slot in lane.leased:
             lane.seg.state_words[slot] = word
@@ -186,7 +187,7 @@ def honest(name, seconds, tag, max_requests=None):
     received, delivered = [], []
     timeouts, timeout_s = 0, 0.0
     # An honest client starting while the peer's flood holds every connection retries.
-    client = _attach(name, 120, timeout=5, slots_per_worker=3)
+    client = attach(name, 120, timeout=5, slots_per_worker=3)
     client.wait_ready(60)
     started = time.monotonic()
     until = started + seconds
@@ -257,7 +258,7 @@ def attack_once(name, client):
         for sock in socks:
             sock.close()
     leave_with_state(name, PROCESSING, slots=2)
-    with _attach(name, 30, slots_per_worker=2, timeout=10) as peer:
+    with attach(name, 30, slots_per_worker=2, timeout=10) as peer:
         said["misaligned"] = misaligned_ready(peer)[0]
     overwrite_magic(client)
     said["payloads"] = sorted(bad_payloads(client))
@@ -267,7 +268,7 @@ def attack_once(name, client):
 
 def attacker(name, seconds):
     """Cycle through every attack until ``seconds`` pass; prints how many rounds."""
-    with _attach(name, 120, slots_per_worker=2, timeout=10) as client:
+    with attach(name, 120, slots_per_worker=2, timeout=10) as client:
         until = time.monotonic() + seconds
         rounds = 0
         while time.monotonic() < until:
@@ -307,19 +308,6 @@ def _usage(pid):
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
 
 
-def _attach(name, within=60, **options):
-    """A client, retrying while the unit comes up or refuses (a flood's connections are
-    still open, every slot is in flight)."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return Client(name, **options)
-        except QueueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def soak(seconds, honest_clients=8, kill_every_s=None, log=None):
     """A unit (soft RLIMIT_NOFILE 512: the flood reaches its cap), ``honest_clients``
     honest clients and one attacker for ``seconds``; the harness kills a worker every
@@ -329,7 +317,7 @@ def soak(seconds, honest_clients=8, kill_every_s=None, log=None):
     proc = serve(name, limit_nofile=512, stderr=log, slots=slots)
     honest_procs, attacker_proc, kills = [], None, 0
     try:
-        with _attach(name) as probe:
+        with attach(name, 60) as probe:
             probe.wait_ready(60)
         time.sleep(1)  # the supervisor's own threads (health, lease) are up
         before = _usage(proc.pid)
@@ -345,7 +333,7 @@ def soak(seconds, honest_clients=8, kill_every_s=None, log=None):
             if kill_every_s and time.monotonic() >= next_kill:
                 next_kill += kill_every_s
                 with (
-                    _attach(name, slots_per_worker=1) as look,
+                    attach(name, 60, slots_per_worker=1) as look,
                     contextlib.suppress(ProcessLookupError),
                 ):
                     os.kill(look.lanes[0].seg.get("worker_pid"), signal.SIGKILL)
@@ -354,7 +342,7 @@ def soak(seconds, honest_clients=8, kill_every_s=None, log=None):
         rounds = json.loads(attacker_proc.communicate(timeout=300)[0])["rounds"]
         serving = proc.poll() is None
         # Nothing leaked: every slot leasable by one client, answered; fds and threads back.
-        with _attach(name, 30, slots_per_worker=slots, timeout=10) as last:
+        with attach(name, 30, slots_per_worker=slots, timeout=10) as last:
             leased = len(last.lanes[0].leased)
             value = float(np.pi)
             answered = bool(np.all(last.infer({"x": np.full((1, WIDTH), value)})["y"] == value))

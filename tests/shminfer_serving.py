@@ -5,12 +5,39 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 
+from shminfer.client import Client
+from shminfer.queue import QueueError
 from shminfer.registry import registry_path, socket_path
 from shminfer.server import Server
 
 CPUS = sorted(os.sched_getaffinity(0))
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def attach(name, within, retry=None, pause=0.05, **options):
+    """A Client of unit ``name``, retrying for ``within`` s while attaching fails with a
+    QueueError that names one of ``retry`` (any QueueError when ``retry`` is None): the
+    unit still coming up, every slot in flight, a flood's connections still open."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return Client(name, **options)
+        except QueueError as exc:
+            if retry is not None and not any(r in str(exc) for r in retry):
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from shminfer_attacks import (
     send_lease_line,
     serve,
 )
-from shminfer_serving import CPUS
+from shminfer_serving import CPUS, attach, wait_for
 from shminfer_serving import serving as _serving
 
 from shminfer import _sys
@@ -56,14 +56,6 @@ from shminfer.topology import read_topology
 
 def _x(value, rows=1):
     return {"x": np.full((rows, WIDTH), value)}
-
-
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _serve(name, *extra, slots=8, limit_nofile=None):
@@ -93,14 +85,7 @@ def _stop(proc):
 
 def _client(name, timeout=30.0, retry=("no shminfer server", "not running", "is missing"), **kw):
     """A client, retrying while the server comes up (or what ``retry`` names lasts)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(name, **kw)
-        except QueueError as exc:
-            if not any(r in str(exc) for r in retry) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    return attach(name, timeout, retry, **kw)
 
 
 @contextlib.contextmanager
@@ -340,10 +325,10 @@ def test_the_restart_backoff_grows_while_restarted_workers_keep_dying():
                 killed.add(process.pid)
             time.sleep(0.005)
         assert len(killed) == 6
-        _wait_for(lambda: server.processes.get(cpu) is not None, 30, "the next restart")
+        wait_for(lambda: server.processes.get(cpu) is not None, 30, "the next restart")
         assert server.backoff[cpu] == server.backoff_max, server.backoff
         # A worker that loads and lives the maximum earns the minimum back.
-        _wait_for(lambda: server.backoff[cpu] == server.backoff_min, 60, "a fresh backoff")
+        wait_for(lambda: server.backoff[cpu] == server.backoff_min, 60, "a fresh backoff")
         assert server.processes[cpu].pid not in killed
 
 

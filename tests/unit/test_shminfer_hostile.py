@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from shminfer_serving import CPUS
+from shminfer_serving import CPUS, attach, wait_for
 from shminfer_serving import serving as _serving
 
 from shminfer.client import Client, InferenceError, Pending, ServerStopped
@@ -48,25 +48,10 @@ def _x(value, rows=1, width=64):
     return {"x": np.full((rows, width), value, dtype=np.float32)}
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def _lease(name, timeout=20.0, **kwargs):
     """A client, retrying while every slot is still in flight for someone else."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Client(name, **kwargs)
-        except QueueError as exc:
-            retry = ("no free slot", "no shminfer server", "not running", "is missing")
-            if not any(r in str(exc) for r in retry) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    retry = ("no free slot", "no shminfer server", "not running", "is missing")
+    return attach(name, timeout, retry, pause=0.01, **kwargs)
 
 
 def _python(code, *args, timeout=60):
@@ -133,9 +118,7 @@ def test_every_response_carries_the_request_tag_the_client_checks():
         client.wait_ready(60)
         pending = client.start(_x(5.0))
         lane = client.lanes[0]
-        _wait_for(
-            lambda: lane.seg.state_words[pending.slot] == PROCESSING, 10, "the worker's claim"
-        )
+        wait_for(lambda: lane.seg.state_words[pending.slot] == PROCESSING, 10, "the worker's claim")
         # A peer forges the request tag while the worker computes: the worker answers
         # with the tag it claimed, which is no longer the one the client expects.
         lane.seg.slot_set(pending.slot, "seq", pending.seq + 7)
@@ -175,7 +158,7 @@ def test_a_peer_that_rewrites_its_claimed_slot_and_leaves_cannot_hand_it_on(word
         cpu = server.cpus[0]
         left = _python(_SCRIBBLE_OWN_AND_LEAVE, server.name, 7.0, word)
         assert "left" in left.stdout, left.stderr
-        _wait_for(lambda: server._holder[cpu][0] is None, 10, "the peer's lease to end")
+        wait_for(lambda: server._holder[cpu][0] is None, 10, "the peer's lease to end")
         # The worker is still computing the peer's request (3 s): an answer to come.
         assert server.status[cpu][0], "the worker answered before the peer's lease ended"
         with _lease(server.name, slots_per_worker=1, timeout=20) as client:
@@ -422,7 +405,7 @@ def test_garbage_state_words_and_error_text_are_refused_not_accepted():
         refused = 0
         for value in (2.0, 3.0, 4.0, 5.0):
             pending = client.start(_x(value))
-            _wait_for(lambda p=pending: seg.state_words[p.slot] == PROCESSING, 10, "claim")
+            wait_for(lambda p=pending: seg.state_words[p.slot] == PROCESSING, 10, "claim")
             seg.state_words[pending.slot] = DONE if value % 2 else 0x4D
             with pytest.raises(InferenceError, match=r"another request|state word"):
                 client.finish(pending, timeout=20)
@@ -460,7 +443,7 @@ def test_a_scribbled_header_does_not_crash_loop_the_restarted_worker():
             seg.set(key, value)
         old = seg.get("worker_pid")
         os.kill(old, signal.SIGKILL)
-        _wait_for(
+        wait_for(
             lambda: seg.get("worker_pid") not in (0, old) and seg.get("worker_state") == 1,
             30,
             "a restarted worker",
@@ -708,7 +691,7 @@ def test_a_hung_backend_is_killed_at_the_batch_deadline_and_the_slot_returns():
             client.finish(pending)
         assert time.monotonic() - t0 < 20
         assert client.lanes[0].free == [pending.slot]  # the slot is back
-        _wait_for(lambda: server.restarts[server.cpus[0]] >= 1, 20, "a restart")
+        wait_for(lambda: server.restarts[server.cpus[0]] >= 1, 20, "a restart")
 
 
 def _encoded_request(client, value, enqueue_ns):
@@ -782,7 +765,7 @@ def test_two_servers_of_one_name_started_together_exactly_one_runs():
         try:
             with _lease(name, timeout=60) as client:
                 client.wait_ready(60)
-                _wait_for(lambda ps=procs: any(p.poll() is not None for p in ps), 30, "an exit")
+                wait_for(lambda ps=procs: any(p.poll() is not None for p in ps), 30, "an exit")
                 loser = next(p for p in procs if p.poll() is not None)
                 winner = next(p for p in procs if p is not loser)
                 err = loser.communicate(timeout=10)[1]
