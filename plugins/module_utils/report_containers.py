@@ -38,10 +38,9 @@ def load_containers(results_dirs):
     return doc.load_records(results_dirs, "containers", _entry)
 
 
-def _entry(record, path):
+def _entry(record):
     entry = {
         "host": str(record["host"]),
-        "source": str(path),
         "runtime": str(record["runtime"]),
         "image": str(record["image"]),
         "argv": [str(a) for a in record["argv"]],

@@ -39,17 +39,17 @@ RECORD_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
 
 def load_records(results_dirs, kind, parse):
     """[entry] of one section from every ``<dir>/<kind>/*.json``, in name order:
-    ``parse(record, path)`` builds each entry from the JSON record; a file that cannot be
-    read or parsed is an entry ``{"host", "source", "error"}`` (named after the file), so
-    the report still builds and still lists the host."""
+    ``parse(record)`` builds each entry from the JSON record, and ``source`` says which file
+    it came from; a file that cannot be read or parsed is an entry ``{"host", "source",
+    "error"}`` (named after the file), so the report still builds and still lists the host."""
     entries = []
     for directory in results_dirs:
         for path in sorted((Path(directory) / kind).glob("*.json")):
             try:
-                entry = parse(json.loads(path.read_text(encoding="utf-8")), path)
+                entry = parse(json.loads(path.read_text(encoding="utf-8")))
             except RECORD_ERRORS as exc:
-                entry = {"host": path.stem, "source": str(path), "error": str(exc)}
-            entries.append(entry)
+                entry = {"host": path.stem, "error": str(exc)}
+            entries.append({**entry, "source": str(path)})
     return entries
 
 

@@ -19,11 +19,10 @@ def load_drift(results_dirs):
     return doc.load_records(results_dirs, "drift", _parse)
 
 
-def _parse(result, path):
+def _parse(result):
     checks = result["checks"]
     return {
         "host": result.get("inventory_host") or result["host"],
-        "source": str(path),
         "checked_at": result.get("checked_at"),
         "mode": result.get("mode"),
         "drift": bool(result.get("drift")),

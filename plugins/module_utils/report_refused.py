@@ -20,11 +20,10 @@ def load_refused(results_dirs):
     return doc.load_records(results_dirs, "refused", _parse)
 
 
-def _parse(record, path):
+def _parse(record):
     shown = record.get("shown") or {}
     return {
         "host": str(record["host"]),
-        "source": str(path),
         "summary": str(record["summary"]),
         "evidence": [str(e) for e in record["evidence"]],
         "hypervisor": record.get("hypervisor"),

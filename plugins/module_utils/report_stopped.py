@@ -21,10 +21,9 @@ def load_stopped(results_dirs):
     return doc.load_records(results_dirs, "stopped", _parse)
 
 
-def _parse(record, path):
+def _parse(record):
     return {
         "host": str(record["host"]),
-        "source": str(path),
         "task": str(record["task"]),
         "message": str(record["message"]),
         "at": str(record.get("at") or ""),
