@@ -1,1 +1,1 @@
-../../roles/rtfleet_host/files/rtfleet_node/drift.py
+../../plugins/module_utils/drift.py

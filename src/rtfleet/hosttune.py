@@ -1,1 +1,1 @@
-../../roles/rtfleet_host/files/rtfleet_node/hosttune.py
+../../plugins/module_utils/hosttune.py

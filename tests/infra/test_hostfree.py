@@ -19,8 +19,7 @@ from types import SimpleNamespace
 from rtfleet_infra import read_files
 from test_drift import REPINNED, STAMP, _drifted, _guard
 
-from ansible_collections.rtfleet.fleet.plugins.module_utils import boot, topology
-from ansible_collections.rtfleet.fleet.roles.rtfleet_host.files.rtfleet_node import drift
+from ansible_collections.rtfleet.fleet.plugins.module_utils import boot, drift, topology
 
 COLLECTION = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,10 @@ reaches outside a role or calls a module by a short name fails here before a VM 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import yaml
 from conftest import REPO
@@ -89,3 +92,85 @@ def test_every_role_documents_its_entry_points_and_every_tasks_from_has_a_spec()
             )
         assert used <= set(specs), (role.name, sorted(used - set(specs)))
         assert "main" in specs
+
+
+# Every link of the tree and the file it stands for. Each Python file has one home:
+# plugins/module_utils for the collection's code (the CLI's package src/rtfleet, the host's
+# package rtfleet_node and shminfer's topology link there), shminfer/ for the runtime (the
+# runtime role ships it through its files/ link). Links point into a home, never out of one.
+LINKS = {
+    "roles/rtfleet_host/files/rtfleet_node/boot.py": "plugins/module_utils/boot.py",
+    "roles/rtfleet_host/files/rtfleet_node/drift.py": "plugins/module_utils/drift.py",
+    "roles/rtfleet_host/files/rtfleet_node/drift_checks.py": "plugins/module_utils/drift_checks.py",
+    "roles/rtfleet_host/files/rtfleet_node/drift_host.py": "plugins/module_utils/drift_host.py",
+    "roles/rtfleet_host/files/rtfleet_node/drift_units.py": "plugins/module_utils/drift_units.py",
+    "roles/rtfleet_host/files/rtfleet_node/hosttune.py": "plugins/module_utils/hosttune.py",
+    "roles/rtfleet_host/files/rtfleet_node/topology.py": "plugins/module_utils/topology.py",
+    "roles/rtfleet_runtime/files/shminfer": "shminfer",
+    "shminfer/src/shminfer/topology.py": "plugins/module_utils/topology.py",
+    "src/rtfleet/boot.py": "plugins/module_utils/boot.py",
+    "src/rtfleet/bundle.py": "plugins/module_utils/bundle.py",
+    "src/rtfleet/checklist.py": "plugins/module_utils/checklist.py",
+    "src/rtfleet/drift.py": "plugins/module_utils/drift.py",
+    "src/rtfleet/drift_checks.py": "plugins/module_utils/drift_checks.py",
+    "src/rtfleet/drift_host.py": "plugins/module_utils/drift_host.py",
+    "src/rtfleet/drift_units.py": "plugins/module_utils/drift_units.py",
+    "src/rtfleet/hosttune.py": "plugins/module_utils/hosttune.py",
+    "src/rtfleet/kubelet.py": "plugins/module_utils/kubelet.py",
+    "src/rtfleet/planner.py": "plugins/module_utils/planner.py",
+    "src/rtfleet/postcheck.py": "plugins/module_utils/postcheck.py",
+    "src/rtfleet/report.py": "plugins/module_utils/report.py",
+    "src/rtfleet/report_containers.py": "plugins/module_utils/report_containers.py",
+    "src/rtfleet/report_doc.py": "plugins/module_utils/report_doc.py",
+    "src/rtfleet/report_drift.py": "plugins/module_utils/report_drift.py",
+    "src/rtfleet/report_refused.py": "plugins/module_utils/report_refused.py",
+    "src/rtfleet/report_stopped.py": "plugins/module_utils/report_stopped.py",
+    "src/rtfleet/sampler.py": "plugins/module_utils/sampler.py",
+    "src/rtfleet/topology.py": "plugins/module_utils/topology.py",
+}
+HOMES = ("plugins/module_utils/", "shminfer")
+
+
+def _tracked_links():
+    listed = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    return sorted(
+        line.split("\t", 1)[1] for line in listed.splitlines() if line.startswith("120000")
+    )
+
+
+def test_every_link_is_listed_and_points_into_the_one_home_of_its_file():
+    found = {
+        link: os.path.relpath(os.path.realpath(REPO / link), REPO) for link in _tracked_links()
+    }
+    assert found == LINKS
+    assert all(target.startswith(HOMES) for target in LINKS.values())
+    assert not [t for t in LINKS.values() if any(t.startswith(h) for h in LINKS)]
+    assert all((REPO / target).exists() for target in LINKS.values())
+
+
+def _host_package_files():
+    tasks = yaml.safe_load((REPO / "roles/rtfleet_host/tasks/runtime.yml").read_text())
+    copy = next(t for t in tasks if t.get("name", "").startswith("Install rtfleet-host-tune"))
+    return [i["src"] for i in copy["loop"] if i["src"].startswith("rtfleet_node/")]
+
+
+def test_the_host_package_ships_every_file_it_imports(tmp_path):
+    # Installed as the role installs it: the listed files only, links followed. A module of
+    # the package that the list leaves out fails the import here, not on a host.
+    files = REPO / "roles/rtfleet_host/files"
+    shipped = _host_package_files()
+    assert sorted(shipped) == sorted(
+        "rtfleet_node/" + p.name for p in (files / "rtfleet_node").glob("*.py")
+    )
+    (tmp_path / "rtfleet_node").mkdir()
+    for src in shipped:
+        (tmp_path / src).write_bytes((files / src).read_bytes())
+    for script in ("rtfleet-drift", "rtfleet-host-tune"):
+        subprocess.run(
+            [sys.executable, "-I", str(files / script), "--help"],
+            env={"RTFLEET_LIB": str(tmp_path), "PATH": os.environ["PATH"]},
+            capture_output=True,
+            check=True,
+        )

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sysfs_gen import build_tree, load_shape
 from test_host_tune import kernel_bitmap_parse, kernel_bitmap_parselist
 
-from rtfleet import drift, hosttune
+from rtfleet import drift, drift_units, hosttune
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings, isolation_expected
 from rtfleet.planner import plan_partition
 from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist, read_topology
@@ -481,9 +481,9 @@ def test_thread_containment_reads_comm_with_spaces_and_parens(tmp_path):
     (tmp_path / "proc/7/task/7/status").write_text("Cpus_allowed_list:\t64-65\n")
     (tmp_path / "proc/7/task/7/stat").write_text(_stat(7, "a) (b c", 65))
     (tmp_path / "proc/7/task/9").mkdir()  # a thread that ended while being read
-    found = drift.thread_containment(str(tmp_path), [7, 8], [64, 65])
+    found = drift_units.thread_containment(str(tmp_path), [7, 8], [64, 65])
     assert found == {"processes": 1, "threads": 1, "outside": []}
-    found = drift.thread_containment(str(tmp_path), [7], [64])
+    found = drift_units.thread_containment(str(tmp_path), [7], [64])
     assert found["outside"][0]["comm"] == "a) (b c" and found["outside"][0]["why"] == [
         "allowed",
         "ran",
