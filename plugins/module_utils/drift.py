@@ -340,18 +340,16 @@ def main(argv=None, systemctl="systemctl"):
     ap.add_argument("--systemctl", default=systemctl, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not os.path.isabs(args.textfile_dir):
-        print(
-            "rtfleet-drift: --textfile-dir %s is not absolute" % args.textfile_dir, file=sys.stderr
-        )
+        sys.stderr.write("rtfleet-drift: --textfile-dir %s is not absolute\n" % args.textfile_dir)
         return 2
     try:
         records = load_records(args.root)
     except RecordError as exc:
-        print("rtfleet-drift: %s" % exc, file=sys.stderr)
+        sys.stderr.write("rtfleet-drift: %s\n" % exc)
         return 2
 
     def log(message):
-        print("rtfleet-drift: %s" % message, file=sys.stderr)
+        sys.stderr.write("rtfleet-drift: %s\n" % message)
 
     lock = contextlib.nullcontext() if args.check else _lock(under(args.root, LOCK))
     with lock:
@@ -374,16 +372,16 @@ def main(argv=None, systemctl="systemctl"):
                 render_textfile(result),
             )
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
     else:  # the journal of every timer run: what is not ok, then one summary line
         for name in CHECKS:
             entry = result["checks"][name]
             if entry["status"] in ("drift", "repaired"):
                 for detail in entry["details"] or [""]:
-                    print("%-12s %-8s %s" % (name, entry["status"], detail))
+                    sys.stdout.write("%-12s %-8s %s\n" % (name, entry["status"], detail))
         drifted = [n for n in CHECKS if result["checks"][n]["status"] == "drift"]
-        print(
-            "rtfleet-drift: %s (%s)"
+        sys.stdout.write(
+            "rtfleet-drift: %s (%s)\n"
             % (
                 "drift in %s" % ", ".join(drifted) if drifted else "no drift",
                 "checked only" if args.check else "%d IRQs re-pinned" % len(repinned),

@@ -283,7 +283,7 @@ def main(argv=None):
     try:
         config, housekeeping, mask, hugepages = load_config(args.config)
     except ConfigError as exc:
-        print("rtfleet-host-tune: %s" % exc, file=sys.stderr)
+        sys.stderr.write("rtfleet-host-tune: %s\n" % exc)
         return 2
     out = {"changed": [], "unmovable": [], "skipped": [], "short": []}
     tune_sysctls(args.root, config.get("sysctls") or {}, args.check, out)
@@ -295,17 +295,16 @@ def main(argv=None):
         tune_irqs(args.root, housekeeping, mask, args.check, out, read_unmovable(args.state))
     if config.get("governor"):
         tune_governor(args.root, config["governor"], args.check, out)
-    print(json.dumps(out, sort_keys=True))
+    sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
     if not args.check:
         os.makedirs(os.path.dirname(args.state), exist_ok=True)
         with open(args.state, "w") as fh:
             json.dump(out, fh, sort_keys=True)
     if out["short"]:
-        print(
+        sys.stderr.write(
             "rtfleet-host-tune: fewer %s kB hugepages than asked (%s): memory is in use or "
             "fragmented; reboot (this runs before workloads start) or lower "
-            "rtfleet_host_hugepages_per_node" % (hugepages[0], "; ".join(out["short"])),
-            file=sys.stderr,
+            "rtfleet_host_hugepages_per_node\n" % (hugepages[0], "; ".join(out["short"]))
         )
         return 1
     return 0
