@@ -9,7 +9,7 @@ packages=(qemu-system-x86 qemu-utils mmdebstrap e2fsprogs fdisk util-linux opens
     gcc python3-dev)
 # QEMU older than this boots the server-shaped guest (48 vCPUs, a TCG thread each) into a
 # PREEMPT_RT kernel unreliably: QEMU 7.2 (Debian 12) hung 3 of 8 such boots in a
-# cross-modifying-code race (docs/runs.md). On Debian 12 the newer QEMU comes from
+# cross-modifying-code race (docs/dev/runs.md). On Debian 12 the newer QEMU comes from
 # bookworm-backports, an official Debian archive that apt pins below the release (priority
 # 100), so only the packages asked for with -t come from it.
 qemu_min_major=10  # rtfleet.lab.QEMU_RELIABLE_MAJOR warns from the same figure
@@ -45,7 +45,7 @@ fi
 codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
 if [[ "$codename" != bookworm ]]; then
     echo "warning: QEMU $major here; the server-shaped lab host needs QEMU $qemu_min_major or newer" \
-        "(its RT boots can hang under older TCG, docs/runs.md); install it from your distribution" >&2
+        "(its RT boots can hang under older TCG, docs/dev/runs.md); install it from your distribution" >&2
     exit 0
 fi
 list=/etc/apt/sources.list.d/bookworm-backports.sources

@@ -28,7 +28,7 @@ HUGEPAGES_MAX_SHARE = 0.75
 # only the boot allocator is sure to find. 2M pages are allocated per node through sysfs by
 # rtfleet-host-tune at every boot, before kubelet starts, as OpenShift's Node Tuning
 # Operator does for per-node pages: the command line's per-node form made the PREEMPT_RT
-# kernel's hugetlb_init take 11 s to more than 12 min on the lab guests (docs/runs.md),
+# kernel's hugetlb_init take 11 s to more than 12 min on the lab guests (docs/dev/runs.md),
 # a count changes without a reboot, and a node that gets fewer pages is reported by name.
 HUGEPAGES_AT_BOOT = ("1G",)
 

@@ -62,7 +62,7 @@ SSH_COMMON_ARGS = (
 QEMU_BINARY = "qemu-system-x86_64"
 QEMU_INSTALL_HINT = "apt-get install qemu-system-x86 qemu-utils"
 # QEMU 7.2's TCG, a thread per vCPU, hung 3 of 8 PREEMPT_RT boots of the 48-vCPU guest in a
-# cross-modifying-code race (docs/runs.md); QEMU 10 held. Smaller guests did not show it.
+# cross-modifying-code race (docs/dev/runs.md); QEMU 10 held. Smaller guests did not show it.
 QEMU_RELIABLE_MAJOR = 10  # lab/install-deps.sh installs at least this (qemu_min_major)
 QEMU_RELIABLE_CPUS = 8
 
@@ -506,7 +506,7 @@ def warn_old_qemu(topologies: dict[str, Topology]) -> str | None:
     return (
         f"warning: {', '.join(large)}: QEMU {major if major is not None else '(unknown)'} "
         f"can hang a guest of more than {QEMU_RELIABLE_CPUS} vCPUs booting PREEMPT_RT; "
-        f"lab/install-deps.sh installs QEMU {QEMU_RELIABLE_MAJOR} (docs/runs.md)"
+        f"lab/install-deps.sh installs QEMU {QEMU_RELIABLE_MAJOR} (docs/dev/runs.md)"
     )
 
 

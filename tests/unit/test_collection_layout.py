@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import yaml
 from conftest import REPO
@@ -174,3 +175,35 @@ def test_the_host_package_ships_every_file_it_imports(tmp_path):
             capture_output=True,
             check=True,
         )
+
+
+def test_the_built_collection_carries_what_users_run_and_no_development_parts(tmp_path):
+    subprocess.run(
+        [
+            str(REPO / ".venv/bin/ansible-galaxy"),
+            "collection",
+            "build",
+            "--output-path",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (tarball,) = tmp_path.glob("rtfleet-fleet-*.tar.gz")
+    with tarfile.open(tarball) as tar:
+        names = set(tar.getnames())
+    for dev in ("docs/dev", "tests/unit", "tests/drills", "molecule", "benchmarks", "lab/image"):
+        assert not [n for n in names if n == dev or n.startswith(dev + "/")], dev
+    # The operators' verify suite, ansible-test's ignores, the runtime and the files the
+    # playbooks reach outside themselves (playbook_dir/..) are in it.
+    needed = {
+        "tests/infra/conftest.py",
+        "tests/sanity/ignore-2.19.txt",
+        "requirements.txt",
+        "shminfer/src/shminfer/server.py",
+        "roles/rtfleet_runtime/files/shminfer",
+    }
+    for path in sorted((REPO / "playbooks").rglob("*.yml")):
+        needed |= set(re.findall(r"playbook_dir\W+/\.\./([\w./-]+)", path.read_text()))
+    assert needed and needed <= names, sorted(needed - names)

@@ -4,7 +4,8 @@ Read from the files themselves: every relative link and every repository path th
 names exists; every extra an install hint names is declared; the role READMEs' statements
 about CI name scenarios that exist, on the hosts and with the steps they have; the versions
 the docs and metadata state agree with each other and with what CI installs. Run histories
-(docs/runs.md, docs/issue-13-note.md, the changelog) name what was true then and are left out.
+(docs/dev/runs.md, docs/dev/issue-13-note.md, the changelog) name what was true then and are
+left out.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from shminfer.codec import MAX_ARRAYS
 from shminfer.queue import QUEUE_WAIT_MAX_NS
 from shminfer.server import Server
 
-HISTORY = {"docs/runs.md", "docs/issue-13-note.md", "CHANGELOG.rst"}
+HISTORY = {"docs/dev/runs.md", "docs/dev/issue-13-note.md", "CHANGELOG.rst"}
 MARKDOWN = [
     p
     for p in [
         REPO / "README.md",
-        *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "docs").rglob("*.md")),
         *sorted(REPO.glob("roles/*/README.md")),
         *sorted(REPO.glob("shminfer/README*")),
         REPO / "lab/README.md",

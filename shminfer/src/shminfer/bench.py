@@ -22,7 +22,7 @@ with SIGSTOP while it is not its turn) and the requests go in 10 rounds, each a 
 every variant's in a rotated order. On a VM the host's state moves a variant's p50 by
 half from one minute to the next; measured one after another, the ratios of two variants
 moved with it (shminfer / iceoryx2 0.22-0.57 in back-to-back runs), interleaved they meet
-the same states (docs/shminfer-speed.md). shminfer_pure (this process switches its path)
+the same states (docs/dev/shminfer-speed.md). shminfer_pure (this process switches its path)
 and sleep_poll (its server polls) run alone afterwards.
 
 For each it prints p50/p99/p99.9/max round trip and sequential throughput, then for
