@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 
-from .topology import TopologyError, format_cpulist, format_cpumask, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, format_cpumask, parse_cpulist
 
 PLAN_SCHEMA_VERSION = 1
 
