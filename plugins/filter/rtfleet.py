@@ -46,7 +46,7 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler import (
     podman_argv_text,
     sampler_classes,
 )
-from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import (
     format_cpulist,
     format_cpumask,
     parse_cpulist,

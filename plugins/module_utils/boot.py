@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from .topology import format_cpulist, parse_cpulist
+from .cpulist import format_cpulist, parse_cpulist
 
 # Keys the host owns outright: an operator's extra arguments must not set them, because the
 # plan or a role variable already does (and a second value would silently win or lose).

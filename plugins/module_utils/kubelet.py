@@ -24,7 +24,7 @@ import json
 import re
 from fractions import Fraction
 
-from .topology import TopologyError, format_cpulist, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, parse_cpulist
 
 API_VERSION = "kubelet.config.k8s.io/v1beta1"
 KIND = "KubeletConfiguration"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 
-from .topology import TopologyError, format_cpulist, format_cpumask, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, format_cpumask, parse_cpulist
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -261,10 +261,38 @@ def _placement_units(topology, housekeeping, core_of, policy):
 
 
 def plan_partition(topology, policy=None):
-    """Compute the partition and everything derived from it. Raises PlanError."""
+    """Compute the partition and everything derived from it. Raises PlanError.
+
+    The steps: check the host can be planned, choose housekeeping and the runtime groups'
+    L3 pieces, build the groups, then derive every view (cpulists, kernel arguments,
+    kubelet, irqbalance, tuned, per node) from the three sets.
+    """
     _check_topology(topology)
     policy = normalize_policy(policy)
     online = sorted(topology["cpus"])
+    core_of = _plannable_cores(topology, policy, online)
+    housekeeping = _choose_housekeeping(topology, policy, core_of)
+    units = _placement_units(topology, housekeeping, core_of, policy)
+    runtime_units = _choose_runtime_units(topology, policy, units)
+    warnings = _runtime_warnings(topology, runtime_units)
+    runtime = sorted(c for u in runtime_units for c in u["cpus"])
+    pod_pool = sorted(set(online) - set(housekeeping) - set(runtime))
+    runtime_groups = _runtime_groups(runtime_units, policy, _memory_nodes(topology))
+    _place_samplers(topology, runtime_groups, housekeeping, pod_pool)
+    sets = {
+        "online": online,
+        "housekeeping": housekeeping,
+        "runtime": runtime,
+        "pod_pool": pod_pool,
+    }
+    plan = _plan_record(topology, policy, sets, runtime_groups, warnings)
+    check_invariants(topology, plan)
+    return plan
+
+
+def _plannable_cores(topology, policy, online):
+    """{cpu: its core's CPUs}, after refusing a deceptive VM, cores that miss online CPUs
+    and SMT when the policy requires it off."""
     deception = topology.get("virtualization", {}).get("deception", {})
     if deception.get("deceptive") and not policy["allow_deceptive_topology"]:
         raise PlanError(
@@ -286,11 +314,11 @@ def plan_partition(topology, policy=None):
             "the BIOS or with nosmt, or set smt: allow"
             % (len(smt_cores), format_cpulist(smt_cores[0]))
         )
+    return core_of
 
-    housekeeping = _choose_housekeeping(topology, policy, core_of)
-    units = _placement_units(topology, housekeeping, core_of, policy)
-    warnings = []
 
+def _choose_runtime_units(topology, policy, units):
+    """The placement units that become runtime groups, as runtime_l3_groups selects them."""
     selector = policy["runtime_l3_groups"]
     eligible = [
         u
@@ -299,10 +327,10 @@ def plan_partition(topology, policy=None):
         and not (u["partial"] and policy["partial_l3_groups"] == "pod_pool")
     ]
     if selector == "all":
-        runtime_units = eligible
-    elif selector == "none":
-        runtime_units = []
-    elif isinstance(selector, int):
+        return eligible
+    if selector == "none":
+        return []
+    if isinstance(selector, int):
         if selector > len(eligible):
             raise PlanError(
                 "runtime_l3_groups=%d but only %d L3 groups are eligible (%s): lower the count, "
@@ -316,24 +344,29 @@ def plan_partition(topology, policy=None):
             position = per_node.get(unit["numa_node"], 0)
             per_node[unit["numa_node"]] = position + 1
             rank[unit["name"]] = (position, unit["numa_node"])
-        runtime_units = sorted(eligible, key=lambda u: rank[u["name"]])[:selector]
-        runtime_units.sort(key=lambda u: u["cpus"][0])
-    else:
-        known = {g["id"] for g in topology["l3_groups"]}
-        unknown = sorted(set(selector) - known)
-        if unknown:
-            raise PlanError(
-                f"runtime_l3_groups names L3 groups {unknown} that do not exist "
-                f"(this host has {format_cpulist(known)})"
-            )
-        runtime_units = [u for u in eligible if u["l3_group"] in selector]
-        missing = sorted(set(selector) - {u["l3_group"] for u in runtime_units})
-        if missing:
-            raise PlanError(
-                f"L3 groups {missing} are wholly housekeeping or below runtime_min_cores: "
-                "pick other groups or change housekeeping"
-            )
+        chosen = sorted(eligible, key=lambda u: rank[u["name"]])[:selector]
+        chosen.sort(key=lambda u: u["cpus"][0])
+        return chosen
+    known = {g["id"] for g in topology["l3_groups"]}
+    unknown = sorted(set(selector) - known)
+    if unknown:
+        raise PlanError(
+            f"runtime_l3_groups names L3 groups {unknown} that do not exist "
+            f"(this host has {format_cpulist(known)})"
+        )
+    chosen = [u for u in eligible if u["l3_group"] in selector]
+    missing = sorted(set(selector) - {u["l3_group"] for u in chosen})
+    if missing:
+        raise PlanError(
+            f"L3 groups {missing} are wholly housekeeping or below runtime_min_cores: "
+            "pick other groups or change housekeeping"
+        )
+    return chosen
 
+
+def _runtime_warnings(topology, runtime_units):
+    """What the plan should tell: memoryless nodes it binds away from, partial CCXs."""
+    warnings = []
     memoryless = sorted(
         {u["numa_node"] for u in runtime_units} & set(topology.get("memoryless_nodes") or [])
     )
@@ -348,15 +381,22 @@ def plan_partition(topology, policy=None):
                 "{} shares its L3 with housekeeping CPUs; set partial_l3_groups: pod_pool "
                 "to keep runtime groups on whole CCXs".format(unit["name"])
             )
-    runtime = sorted(c for u in runtime_units for c in u["cpus"])
-    pod_pool = sorted(set(online) - set(housekeeping) - set(runtime))
+    return warnings
 
-    # Memory for CPUs of a memoryless node (a socket without DIMMs) comes from the nearest
-    # node with memory; binding to the CPU's own node would leave nothing to allocate.
+
+def _memory_nodes(topology):
+    """{node: the node its memory comes from}. Memory for CPUs of a memoryless node (a
+    socket without DIMMs) comes from the nearest node with memory; binding to the CPU's own
+    node would leave nothing to allocate."""
     memory_node_of = {}
     for node in topology["numa_nodes"]:
         target = node.get("memory_node", node["id"])
         memory_node_of[node["id"]] = node["id"] if target is None else target
+    return memory_node_of
+
+
+def _runtime_groups(runtime_units, policy, memory_node_of):
+    """One runtime group per chosen unit: its CPUs, workers, memory binding and unit."""
     runtime_groups = []
     for unit in runtime_units:
         if policy["runtime_threads"] == "one_thread_per_core":
@@ -381,9 +421,12 @@ def plan_partition(topology, policy=None):
                 },
             }
         )
+    return runtime_groups
 
-    # Where a sampler (a pod, the post-check's smoke client) of each unit should run: the pod
-    # pool of the unit's NUMA node, else of its package, else the node's housekeeping CPUs.
+
+def _place_samplers(topology, runtime_groups, housekeeping, pod_pool):
+    """Where a sampler (a pod, the post-check's smoke client) of each unit should run: the
+    pod pool of the unit's NUMA node, else of its package, else the node's housekeeping."""
     node_cpus = {n["id"]: set(n["cpus"]) for n in topology["numa_nodes"]}
     package_cpus = {p["id"]: set(p["cpus"]) for p in topology["packages"]}
     for group in runtime_groups:
@@ -397,23 +440,35 @@ def plan_partition(topology, policy=None):
                 group["sampler_cpus_from"] = where
                 break
 
+
+def _kernel_args(policy, isolated, housekeeping):
+    """isolcpus, nohz_full, rcu_nocbs, irqaffinity and kthread_cpus; none when nothing is
+    isolated."""
+    if not isolated:
+        return []
+    iso = format_cpulist(isolated)
+    flags = ",".join(policy["isolcpus_flags"])
+    return [
+        "isolcpus={}{}".format(flags + "," if flags else "", iso),
+        "nohz_full=" + iso,
+        "rcu_nocbs=" + iso,
+        "irqaffinity=" + format_cpulist(housekeeping),
+        "kthread_cpus=" + format_cpulist(housekeeping),
+    ]
+
+
+def _plan_record(topology, policy, sets, runtime_groups, warnings):
+    """The plan record: the sets (``sets``: online, housekeeping, runtime, pod_pool) and
+    every view the layers read, derived from them."""
+    memory_node_of = _memory_nodes(topology)
+    online, housekeeping = sets["online"], sets["housekeeping"]
+    runtime, pod_pool = sets["runtime"], sets["pod_pool"]
     isolated = sorted(
         set(runtime if "runtime" in policy["isolate"] else [])
         | set(pod_pool if "pod_pool" in policy["isolate"] else [])
     )
-    kernel_args = []
-    if isolated:
-        iso = format_cpulist(isolated)
-        flags = ",".join(policy["isolcpus_flags"])
-        kernel_args += [
-            "isolcpus={}{}".format(flags + "," if flags else "", iso),
-            "nohz_full=" + iso,
-            "rcu_nocbs=" + iso,
-            "irqaffinity=" + format_cpulist(housekeeping),
-            "kthread_cpus=" + format_cpulist(housekeeping),
-        ]
     not_housekeeping = sorted(set(online) - set(housekeeping))
-    plan = {
+    return {
         "schema": PLAN_SCHEMA_VERSION,
         "policy": policy,
         "online": online,
@@ -429,7 +484,7 @@ def plan_partition(topology, policy=None):
             "pod_pool": format_cpulist(pod_pool),
             "isolated": format_cpulist(isolated),
         },
-        "kernel_args": kernel_args,
+        "kernel_args": _kernel_args(policy, isolated, housekeeping),
         "kubelet": {
             # Runtime CPUs are reserved too, so kubelet never hands one to a pod.
             "reservedSystemCPUs": format_cpulist(sorted(set(housekeeping) | set(runtime))),
@@ -457,8 +512,6 @@ def plan_partition(topology, policy=None):
         ],
         "warnings": warnings,
     }
-    check_invariants(topology, plan)
-    return plan
 
 
 def memory_node_of_topology(topology, node_id):

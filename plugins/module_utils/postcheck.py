@@ -77,7 +77,7 @@ import json
 import re
 import shlex
 
-from .topology import TopologyError, format_cpulist, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, parse_cpulist
 
 SCHEMA_VERSION = 1
 KINDS = ("tuned", "baseline")

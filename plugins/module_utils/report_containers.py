@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from . import report_doc as doc
-from .topology import TopologyError, format_cpulist, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, parse_cpulist
 
 _COLUMNS = (
     "host",

@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from rtfleet import topology
-from rtfleet.topology import format_cpulist, parse_cpulist
+from rtfleet.cpulist import format_cpulist, parse_cpulist
 
 IMAGE_PREFIX = "debian12-rtfleet-"
 LAB_USER = "lab"
@@ -691,7 +691,9 @@ def remove_host(state: Path, name: str) -> bool:
 # --------------------------------------------------------------------------- guest probe
 
 # The guest is read by rtfleet's one topology reader (sysfs, never lscpu, which misreports
-# these guests' sockets and caches): its source is piped to the guest's python3.
+# these guests' sockets and caches): its source is piped to the guest's python3, its
+# modules (topology.py and the two under it) made into one package in memory there.
+_PROBE_MODULES = ("cpulist", "hostfacts", "topology")
 _PROBE_FOOTER = """
 import json as _json, subprocess as _sp
 _virt = _sp.run(["systemd-detect-virt"], capture_output=True, text=True).stdout.strip()
@@ -714,8 +716,29 @@ def summarise_topology(topo: dict[str, Any], virt: str = "") -> dict[str, Any]:
     }
 
 
+def probe_script(footer: str = _PROBE_FOOTER) -> str:
+    """A python3 script for stdin: the topology reader's modules, then ``footer``, which
+    calls ``read_topology``; the guest needs nothing of rtfleet installed."""
+    here = Path(topology.__file__).parent
+    lines = [
+        "import sys as _sys, types as _types",
+        "_sys.modules['rtfleet_probe'] = _types.ModuleType('rtfleet_probe')",
+        "_sys.modules['rtfleet_probe'].__path__ = []",
+    ]
+    for name in _PROBE_MODULES:
+        source = (here / f"{name}.py").read_text(encoding="utf-8")
+        qualified = f"rtfleet_probe.{name}"
+        lines += [
+            f"_mod = _sys.modules[{qualified!r}] = _types.ModuleType({qualified!r})",
+            "_mod.__package__ = 'rtfleet_probe'",
+            f"exec(compile({source!r}, '{name}.py', 'exec'), _mod.__dict__)",
+        ]
+    lines.append("read_topology = _sys.modules['rtfleet_probe.topology'].read_topology")
+    return "\n".join(lines) + "\n" + footer
+
+
 def probe_host(state: Path, host: Host) -> dict[str, Any]:
-    script = Path(topology.__file__).read_text(encoding="utf-8") + _PROBE_FOOTER
+    script = probe_script()
     result = subprocess.run(
         ssh_argv(state, host, ["python3", "-"]),
         input=script,

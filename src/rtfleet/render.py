@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from rtfleet.topology import format_cpulist
+from rtfleet.cpulist import format_cpulist
 
 
 def _console() -> Console:

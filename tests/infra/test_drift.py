@@ -19,7 +19,7 @@ import os
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import (
     format_cpulist,
     parse_cpulist,
 )

@@ -20,7 +20,7 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.boot import (
     parse_grubenv,
     split_cmdline,
 )
-from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import parse_cpulist
+from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import parse_cpulist
 
 _BOOT = (
     "/proc/sys/kernel/osrelease",

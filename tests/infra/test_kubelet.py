@@ -20,7 +20,7 @@ import os
 import pytest
 import yaml
 
-from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import (
+from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import (
     format_cpulist,
     parse_cpulist,
 )

@@ -17,7 +17,7 @@ import re
 import pytest
 from rtfleet_infra import read_files
 
-from ansible_collections.rtfleet.fleet.plugins.module_utils.topology import parse_cpulist
+from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import parse_cpulist
 
 SHMINFER = "/opt/shminfer/current/venv/bin/shminfer"
 MODELS = "/opt/shminfer/current/models"

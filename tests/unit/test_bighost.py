@@ -17,8 +17,9 @@ import pytest
 
 from rtfleet import kubelet
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings
+from rtfleet.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from rtfleet.planner import check_invariants, plan_partition
-from rtfleet.topology import format_cpulist, parse_cpulist, parse_cpumask, read_topology
+from rtfleet.topology import read_topology
 
 TESTS = Path(__file__).resolve().parents[1]
 # A capture still being written (size 0) is not a tree yet.

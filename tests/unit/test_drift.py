@@ -24,8 +24,9 @@ from test_host_tune import kernel_bitmap_parse, kernel_bitmap_parselist
 
 from rtfleet import drift, drift_units, hosttune
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings, isolation_expected
+from rtfleet.cpulist import format_cpulist, format_cpumask, parse_cpulist
 from rtfleet.planner import plan_partition
-from rtfleet.topology import format_cpulist, format_cpumask, parse_cpulist, read_topology
+from rtfleet.topology import read_topology
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "roles/rtfleet_host/files/rtfleet-drift"

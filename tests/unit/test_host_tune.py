@@ -14,8 +14,9 @@ import pytest
 from sysfs_gen import build_tree
 
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings
+from rtfleet.cpulist import parse_cpulist
 from rtfleet.planner import plan_partition
-from rtfleet.topology import parse_cpulist, read_topology
+from rtfleet.topology import read_topology
 
 REPO = Path(__file__).resolve().parents[2]
 TUNE = REPO / "roles/rtfleet_host/files/rtfleet-host-tune"

@@ -521,6 +521,25 @@ def test_captured_guest_trees_match_their_expect_blocks(tmp_path, name):
     assert lab.compare_expect(expect, seen) == []
 
 
+def test_the_probe_script_reads_a_topology_with_nothing_of_rtfleet_installed(trees):
+    """What `lab probe` pipes to a guest's python3: the reader's modules and a footer, run
+    here by a Python without site-packages, reads what read_topology reads."""
+    from rtfleet.topology import read_topology
+
+    root = str(trees("epyc-7702p-nps4"))
+    script = lab.probe_script(f"import json\nprint(json.dumps(read_topology({root!r})))\n")
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == json.loads(json.dumps(read_topology(root)))
+
+
 # ----------------------------------------------------------------------------- real VM
 
 

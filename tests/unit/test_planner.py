@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rtfleet.cpulist import format_cpulist, parse_cpulist
 from rtfleet.planner import DEFAULT_POLICY, PlanError, check_invariants, plan_partition
-from rtfleet.topology import format_cpulist, parse_cpulist
 
 
 def synth_topology(  # noqa: PLR0917 - a shape is many small knobs

@@ -416,8 +416,9 @@ def _observed(boot, kubelet, units, drift, dropin):
 
 
 def _consistency_inputs(trees, shape="epyc-9634-2s"):
+    from rtfleet.cpulist import format_cpulist
     from rtfleet.planner import plan_partition
-    from rtfleet.topology import format_cpulist, read_topology
+    from rtfleet.topology import read_topology
 
     plan = plan_partition(read_topology(str(trees(shape))), {})
     shown = [

@@ -19,8 +19,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from rtfleet.cpulist import format_cpumask, parse_cpulist
 from rtfleet.postcheck import gate_oslat, parse_cyclictest, parse_oslat
-from rtfleet.topology import format_cpumask, parse_cpulist
 
 TEMPLATES = Path(__file__).parents[2] / "roles/rtfleet_postcheck/templates"
 

@@ -15,15 +15,15 @@ import pytest
 import sysfs_gen
 from conftest import run_local_playbook
 
-from rtfleet.planner import PlanError, check_invariants, plan_partition
-from rtfleet.topology import (
+from rtfleet.cpulist import (
     TopologyError,
     format_cpulist,
     format_cpumask,
     parse_cpulist,
     parse_cpumask,
-    read_topology,
 )
+from rtfleet.planner import PlanError, check_invariants, plan_partition
+from rtfleet.topology import read_topology
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent

@@ -25,7 +25,7 @@ from shminfer.registry import read_registry
 
 
 def _cpulist(text: str) -> list[int]:
-    from shminfer.topology import TopologyError, parse_cpulist  # noqa: PLC0415
+    from shminfer.cpulist import TopologyError, parse_cpulist  # noqa: PLC0415
 
     try:
         cpus = parse_cpulist(text, "--cpus")
@@ -132,7 +132,7 @@ def _connect(args) -> Client:
 
 
 def cmd_smoke(args) -> int:
-    from shminfer.topology import format_cpulist  # noqa: PLC0415
+    from shminfer.cpulist import format_cpulist  # noqa: PLC0415
 
     if args.max_deschedule_p999_ms < CPU_EXACT_NS / 1e6:
         # Below it, a short batch's deschedule is an upper bound (its wall time), not exact.

@@ -67,7 +67,7 @@ class Choice:
 
 
 def _cpulist(cpus) -> str:
-    from shminfer.topology import format_cpulist  # noqa: PLC0415
+    from shminfer.cpulist import format_cpulist  # noqa: PLC0415
 
     return format_cpulist(cpus)
 
