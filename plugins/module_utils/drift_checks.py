@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .topology import parse_cpulist
+from .cpulist import parse_cpulist
 
 CHECKS = (
     "cmdline",

@@ -10,7 +10,7 @@ import re
 
 from . import boot, hosttune
 from .drift_checks import check_result, judge, read_text, under
-from .topology import TopologyError, format_cpulist, parse_cpulist, parse_cpumask
+from .cpulist import TopologyError, format_cpulist, parse_cpulist, parse_cpumask
 
 IRQBALANCE_CONFIG = "/etc/default/irqbalance"
 TUNED_ACTIVE = "/etc/tuned/active_profile"

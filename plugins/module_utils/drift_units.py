@@ -11,7 +11,7 @@ import os
 import re
 
 from .drift_checks import check_result, judge, read_text, systemd_cpus, under
-from .topology import TopologyError, format_cpulist, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, parse_cpulist
 
 
 def unit_name(group):

@@ -42,7 +42,7 @@ import json
 import os
 import sys
 
-from .topology import (
+from .cpulist import (
     TopologyError,
     format_cpulist,
     format_cpumask,

@@ -36,10 +36,6 @@ from .hostfacts import (
     read_virtualization,
 )
 
-# rtfleet_node's drift.py and hosttune.py still import these from here; they move to
-# cpulist.py with those files (issue #28), and then this line goes.
-from .cpulist import format_cpumask, parse_cpumask  # noqa: F401  # pylint: disable=unused-import
-
 SCHEMA_VERSION = 1
 
 _NODE = "sys/devices/system/node"

@@ -1,9 +1,10 @@
 """What ships to a node imports there: a module the shipped code imports but the shipping
 leaves out fails here, not on a host.
 
-The host package is copied file by file from the list in the host role's runtime.yml; the
-shminfer wheel is built from its source tree the way the runtime role builds it. Each is
-imported by a fresh Python that sees nothing of this repository.
+The shminfer wheel is built from its source tree the way the runtime role builds it and
+imported by a fresh Python that sees nothing of this repository. (The host package, copied
+file by file from the host role's runtime.yml, is checked the same way in
+test_collection_layout.)
 """
 
 from __future__ import annotations
@@ -15,10 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy
-import yaml
 from conftest import REPO
-
-NODE_LIB = "/usr/local/lib/rtfleet/"
 
 
 def _fresh_python(path: list[Path], code: str) -> subprocess.CompletedProcess:
@@ -32,37 +30,6 @@ def _fresh_python(path: list[Path], code: str) -> subprocess.CompletedProcess:
         check=False,
         cwd="/",
     )
-
-
-def _runtime_yml_copies():
-    """(src under the role's files/, dest under /usr/local/lib/rtfleet/) for every copy."""
-    tasks = yaml.safe_load((REPO / "roles/rtfleet_host/tasks/runtime.yml").read_text())
-    for task in tasks:
-        if "ansible.builtin.copy" not in task:
-            continue
-        for item in task.get("loop") or []:
-            if isinstance(item, dict) and item.get("dest", "").startswith(NODE_LIB):
-                yield item["src"], item["dest"][len(NODE_LIB) :]
-
-
-def test_the_host_package_imports_from_the_files_runtime_yml_copies(tmp_path):
-    modules = []
-    for src, dest in _runtime_yml_copies():
-        target = tmp_path / dest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(REPO / "roles/rtfleet_host/files" / src, target)  # follows links
-        if target.suffix == ".py" and target.stem != "__init__":
-            modules.append(dest[: -len(".py")].replace("/", "."))
-    assert "rtfleet_node.topology" in modules, modules
-    run = _fresh_python(
-        [tmp_path],
-        "import importlib\n"
-        "for name in %r:\n"
-        "    module = importlib.import_module(name)\n"
-        "    assert module.__file__.startswith(%r), module.__file__\n"
-        "print('imported')\n" % (modules, str(tmp_path)),
-    )
-    assert run.returncode == 0 and "imported" in run.stdout, run.stderr
 
 
 def _source_copy(dest: Path) -> Path:
