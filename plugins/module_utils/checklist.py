@@ -86,12 +86,30 @@ def _item(name, wanted, observed, ok, hint):
 def evaluate(topology, wanted=None, waivers=()):
     """Check the topology's firmware-visible state against ``wanted``."""
     wanted = _validate(wanted or {}, waivers)
+    items = _observed_items(topology, wanted)
+    for name, hint in MANUAL_ITEMS:
+        items.append(
+            {"item": name, "wanted": "see hint", "observed": None, "status": "manual", "hint": hint}
+        )
+    waived = set(waivers or ())
+    for item in items:
+        if item["item"] in waived and item["status"] in ("mismatch", "manual"):
+            item["status"] = "waived"
+    failed = [i["item"] for i in items if i["status"] == "mismatch"]
+    return {
+        "ok": not failed,
+        "failed": failed,
+        "manual": [i["item"] for i in items if i["status"] == "manual"],
+        "items": items,
+    }
+
+
+def _observed(topology):
+    """What the OS shows of each checked item (None where it shows nothing)."""
     power = topology.get("power") or {}
     nodes = [n for n in topology["numa_nodes"] if n["cpus"]]
     packages = max(1, len(topology["packages"]))
     nps = len(nodes) // packages if len(nodes) % packages == 0 else round(len(nodes) / packages, 2)
-    smt = "on" if topology["smt"]["threads_per_core"] > 1 else "off"
-    boost = None if power.get("boost") is None else ("on" if power["boost"] else "off")
     enabled = [s for s in power.get("idle_states", []) if not s["disabled"]]
     deepest = max(enabled, key=lambda s: s["latency_us"]) if enabled else None
     memory = [n["memory_kb"] for n in nodes if n.get("memory_kb")]
@@ -100,21 +118,41 @@ def evaluate(topology, wanted=None, waivers=()):
         if len(memory) > 1 and min(memory)
         else (1.0 if memory else None)
     )
-    limit = wanted["max_idle_latency_us"]
-    memoryless = [n["id"] for n in nodes if n.get("has_memory") is False or n.get("memory_kb") == 0]
-    memoryless_hint = "BIOS/DIMMs: every socket (NUMA node) needs populated memory channels"
-    if memoryless:
-        memoryless_hint = (
-            "DIMM population: NUMA node%s %s %s CPUs but no memory (no DIMMs on that socket or "
-            "die): every memory access from %s crosses to another node; populate its channels"
-            % (
-                "s" if len(memoryless) > 1 else "",
-                ", ".join(str(n) for n in memoryless),
-                "have" if len(memoryless) > 1 else "has",
-                "them" if len(memoryless) > 1 else "it",
-            )
+    return {
+        "power": power,
+        "nps": nps,
+        "smt": "on" if topology["smt"]["threads_per_core"] > 1 else "off",
+        "boost": None if power.get("boost") is None else ("on" if power["boost"] else "off"),
+        "deepest": deepest,
+        "balance": balance,
+        "memoryless": [
+            n["id"] for n in nodes if n.get("has_memory") is False or n.get("memory_kb") == 0
+        ],
+    }
+
+
+def _memoryless_hint(memoryless):
+    if not memoryless:
+        return "BIOS/DIMMs: every socket (NUMA node) needs populated memory channels"
+    return (
+        "DIMM population: NUMA node%s %s %s CPUs but no memory (no DIMMs on that socket or "
+        "die): every memory access from %s crosses to another node; populate its channels"
+        % (
+            "s" if len(memoryless) > 1 else "",
+            ", ".join(str(n) for n in memoryless),
+            "have" if len(memoryless) > 1 else "has",
+            "them" if len(memoryless) > 1 else "it",
         )
-    items = [
+    )
+
+
+def _observed_items(topology, wanted):
+    """One item per checked setting: wanted, observed, status and where to change it."""
+    seen = _observed(topology)
+    power, nps, smt, boost = seen["power"], seen["nps"], seen["smt"], seen["boost"]
+    deepest, balance, memoryless = seen["deepest"], seen["balance"], seen["memoryless"]
+    limit = wanted["max_idle_latency_us"]
+    return [
         _item(
             "nps",
             wanted["nps"],
@@ -170,21 +208,6 @@ def evaluate(topology, wanted=None, waivers=()):
             wanted["memory_on_every_node"],
             memoryless,
             not memoryless or not wanted["memory_on_every_node"],
-            memoryless_hint,
+            _memoryless_hint(memoryless),
         ),
     ]
-    for name, hint in MANUAL_ITEMS:
-        items.append(
-            {"item": name, "wanted": "see hint", "observed": None, "status": "manual", "hint": hint}
-        )
-    waived = set(waivers or ())
-    for item in items:
-        if item["item"] in waived and item["status"] in ("mismatch", "manual"):
-            item["status"] = "waived"
-    failed = [i["item"] for i in items if i["status"] == "mismatch"]
-    return {
-        "ok": not failed,
-        "failed": failed,
-        "manual": [i["item"] for i in items if i["status"] == "manual"],
-        "items": items,
-    }

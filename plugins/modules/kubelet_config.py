@@ -129,12 +129,14 @@ import os
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.rtfleet.fleet.plugins.module_utils.kubelet import (
-    KubeletConfigError,
     build,
     config_target,
-    dropin_warning,
     dump,
     normalize_settings,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.kubelet_state import dropin_warning
+from ansible_collections.rtfleet.fleet.plugins.module_utils.kubelet_values import (
+    KubeletConfigError,
     parse_version,
 )
 

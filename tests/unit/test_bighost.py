@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rtfleet import kubelet
+from rtfleet import kubelet, kubelet_values
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings
 from rtfleet.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from rtfleet.planner import check_invariants, plan_partition
@@ -117,7 +117,7 @@ def test_kubelet_config_builds_and_matches_the_plan(machines, name, version):
     topology, plan = machines[name]
     result = kubelet.build(plan, topology, {"kubelet_version": version})
     config = result["effective"]
-    reserved = kubelet.parse_cpuset(config["reservedSystemCPUs"])
+    reserved = kubelet_values.parse_cpuset(config["reservedSystemCPUs"])
     # reserved = housekeeping + runtime (runtime CPUs are pinned units, never pods')
     assert reserved == sorted(set(plan["housekeeping"]) | set(plan["runtime"]))
     assert set(topology["cpus"]) - set(reserved) == set(plan["pod_pool"])
@@ -138,7 +138,7 @@ def test_kubelet_config_builds_and_matches_the_plan(machines, name, version):
 def test_ten_nodes_with_cxl_need_kubelet_1_31(machines):
     topology, plan = machines["epyc-9354-2s-nps4-cxl"]
     assert len(topology["numa_nodes"]) == 10 and topology["cpuless_nodes"] == [8, 9]
-    with pytest.raises(kubelet.KubeletConfigError, match=r"10 NUMA nodes \(CPU-less 8-9"):
+    with pytest.raises(kubelet_values.KubeletConfigError, match=r"10 NUMA nodes \(CPU-less 8-9"):
         kubelet.build(plan, topology, {"kubelet_version": "1.30"})
     config = kubelet.build(plan, topology, {"kubelet_version": "1.31"})["config"]
     assert config["topologyManagerPolicyOptions"] == {"max-allowable-numa-nodes": "10"}

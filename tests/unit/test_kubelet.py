@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from rtfleet import kubelet
+from rtfleet import kubelet, kubelet_state, kubelet_validate, kubelet_values
 from rtfleet.planner import plan_partition
 from rtfleet.topology import read_topology
 
@@ -55,9 +55,11 @@ def _errors(machine, extra=None, **settings):
     normalized = kubelet.normalize_settings(settings)
     try:
         config, _ = kubelet.render(plan, topology, normalized)
-    except kubelet.KubeletConfigError as exc:  # refused while rendering (reservedMemory auto)
+    except (
+        kubelet_values.KubeletConfigError
+    ) as exc:  # refused while rendering (reservedMemory auto)
         return [str(exc)]
-    return kubelet.validate(config, topology, normalized, plan)
+    return kubelet_validate.validate(config, topology, normalized, plan)
 
 
 # ------------------------------------------------------------------ rendering
@@ -72,7 +74,7 @@ def test_render_reserves_housekeeping_and_runtime_and_splits_memory(epyc):
     assert config["kind"] == "KubeletConfiguration"
     assert config["cpuManagerPolicy"] == "static"
     assert config["reservedSystemCPUs"] == plan["kubelet"]["reservedSystemCPUs"]
-    reserved = set(kubelet.parse_cpuset(config["reservedSystemCPUs"]))
+    reserved = set(kubelet_values.parse_cpuset(config["reservedSystemCPUs"]))
     assert reserved == set(plan["housekeeping"]) | set(plan["runtime"])
     assert not reserved & set(plan["pod_pool"])
     assert config["topologyManagerPolicy"] == "single-numa-node"
@@ -155,7 +157,9 @@ def test_explicit_options_win_and_conflicting_recommendations_are_left_out(epyc)
 def test_alpha_option_needs_consent_and_then_turns_on_its_gate(epyc):
     settings = {"cpu_manager_policy_options": {"align-by-socket": "true"}}
     settings["topology_manager_policy"] = "restricted"
-    with pytest.raises(kubelet.KubeletConfigError, match="rtfleet_kubelet_allow_alpha_options"):
+    with pytest.raises(
+        kubelet_values.KubeletConfigError, match="rtfleet_kubelet_allow_alpha_options"
+    ):
         _build(epyc, **settings)
     config = _build(epyc, allow_alpha_options=True, **settings)["config"]
     assert config["featureGates"]["CPUManagerPolicyAlphaOptions"] is True
@@ -182,7 +186,7 @@ def test_more_than_eight_numa_nodes_gets_max_allowable_numa_nodes(epyc):
     assert len(config["reservedMemory"]) == 16
     settings = kubelet.normalize_settings({"kubelet_version": "1.30"})
     config, _ = kubelet.render(plan, big, settings)
-    errors = kubelet.validate(config, big, settings, plan)
+    errors = kubelet_validate.validate(config, big, settings, plan)
     assert any("upgrade kubelet" in e and "16 NUMA nodes" in e for e in errors)
 
 
@@ -200,7 +204,7 @@ def test_main_file_mode_merges_into_the_main_config(epyc):
 
 
 def test_dropin_mode_is_refused_before_1_28(epyc):
-    with pytest.raises(kubelet.KubeletConfigError, match=r"needs kubelet >= 1\.28"):
+    with pytest.raises(kubelet_values.KubeletConfigError, match=r"needs kubelet >= 1\.28"):
         _build(epyc, kubelet_version="1.27", config_mode="dropin")
     assert any(
         "KUBELET_CONFIG_DROPIN_DIR_ALPHA" in w
@@ -230,13 +234,13 @@ def test_dump_is_commented_json_that_yaml_and_load_read_back(epyc):
     ],
 )
 def test_quantities(text, value):
-    assert kubelet.parse_quantity(text) == value
+    assert kubelet_values.parse_quantity(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "1GB", "Gi", "1 Gi", "one"])
 def test_bad_quantities(text):
     with pytest.raises(ValueError):
-        kubelet.parse_quantity(text)
+        kubelet_values.parse_quantity(text)
 
 
 # ------------------------------------------------------------------ validation
@@ -425,7 +429,7 @@ def test_full_pcpus_only_needs_whole_reserved_cores(xeon):
 
 
 def test_build_reports_every_problem_at_once(epyc):
-    with pytest.raises(kubelet.KubeletConfigError) as failure:
+    with pytest.raises(kubelet_values.KubeletConfigError) as failure:
         _build(epyc, topology_manager_policy="bogus", reserved_system_cpus="0-")
     assert "2 problems" in str(failure.value) and "nothing was changed" in str(failure.value)
 
@@ -441,18 +445,19 @@ def test_build_reports_every_problem_at_once(epyc):
     ],
 )
 def test_bad_settings_are_named(epyc, settings, message):
-    with pytest.raises(kubelet.KubeletConfigError, match=message):
+    with pytest.raises(kubelet_values.KubeletConfigError, match=message):
         _build(epyc, **settings)
 
 
 def test_a_kubelet_without_the_config_dir_is_reported():
     conf_d = "/etc/kubernetes/kubelet.conf.d"
     assert (
-        kubelet.dropin_warning(["/usr/bin/kubelet", "--config-dir=" + conf_d + "/"], conf_d) is None
+        kubelet_state.dropin_warning(["/usr/bin/kubelet", "--config-dir=" + conf_d + "/"], conf_d)
+        is None
     )
-    assert kubelet.dropin_warning(["kubelet", "--config-dir", conf_d], conf_d) is None
-    assert "has no --config-dir" in kubelet.dropin_warning(["kubelet", "--config=/x"], conf_d)
-    assert "reads --config-dir=/other" in kubelet.dropin_warning(
+    assert kubelet_state.dropin_warning(["kubelet", "--config-dir", conf_d], conf_d) is None
+    assert "has no --config-dir" in kubelet_state.dropin_warning(["kubelet", "--config=/x"], conf_d)
+    assert "reads --config-dir=/other" in kubelet_state.dropin_warning(
         ["kubelet", "--config-dir=/other"], conf_d
     )
 
@@ -466,21 +471,23 @@ def _state(policy):
 
 def test_checkpoint_reset_only_when_policy_reserved_set_or_options_change(epyc):
     new = _build(epyc)["effective"]
-    same = kubelet.state_reset(new, new, _state("static"), _state("Static"))
+    same = kubelet_state.state_reset(new, new, _state("static"), _state("Static"))
     assert not same["cpu_manager_state"]["reset"] and not same["memory_manager_state"]["reset"]
     topology_only = dict(new, topologyManagerPolicy="restricted")
-    assert not kubelet.state_reset(topology_only, new, _state("static"), None)["cpu_manager_state"][
-        "reset"
-    ]
+    assert not kubelet_state.state_reset(topology_only, new, _state("static"), None)[
+        "cpu_manager_state"
+    ]["reset"]
     for change in (
         {"cpuManagerPolicy": "none"},
         {"reservedSystemCPUs": "0-3"},
         {"cpuManagerPolicyOptions": {"full-pcpus-only": "true"}},
     ):
-        decision = kubelet.state_reset(dict(new, **change), new, _state("static"), _state("Static"))
+        decision = kubelet_state.state_reset(
+            dict(new, **change), new, _state("static"), _state("Static")
+        )
         assert decision["cpu_manager_state"]["reset"], change
         assert not decision["memory_manager_state"]["reset"], change
-    memory = kubelet.state_reset(
+    memory = kubelet_state.state_reset(
         dict(new, reservedMemory=[]), new, _state("static"), _state("Static")
     )
     assert memory["memory_manager_state"]["reset"] and not memory["cpu_manager_state"]["reset"]
@@ -488,22 +495,24 @@ def test_checkpoint_reset_only_when_policy_reserved_set_or_options_change(epyc):
 
 def test_reserved_set_is_compared_as_a_set(epyc):
     new = _build(epyc)["effective"]
-    spelled = ",".join(str(c) for c in kubelet.parse_cpuset(new["reservedSystemCPUs"]))
-    decision = kubelet.state_reset(dict(new, reservedSystemCPUs=spelled), new, _state("static"))
+    spelled = ",".join(str(c) for c in kubelet_values.parse_cpuset(new["reservedSystemCPUs"]))
+    decision = kubelet_state.state_reset(
+        dict(new, reservedSystemCPUs=spelled), new, _state("static")
+    )
     assert not decision["cpu_manager_state"]["reset"]
 
 
 def test_absent_checkpoints_never_need_a_reset_and_stale_ones_always_do(epyc):
     new = _build(epyc)["effective"]
-    assert kubelet.state_reset(None, new)["cpu_manager_state"] == {
+    assert kubelet_state.state_reset(None, new)["cpu_manager_state"] == {
         "exists": False,
         "reset": False,
         "reasons": [],
     }
-    stale = kubelet.state_reset(new, new, _state("none"))["cpu_manager_state"]
+    stale = kubelet_state.state_reset(new, new, _state("none"))["cpu_manager_state"]
     assert stale["reset"] and "records policy 'none'" in stale["reasons"][0]
-    assert kubelet.state_reset(None, new, _state("static"))["cpu_manager_state"]["reset"]
-    assert kubelet.state_reset(new, new, "not json")["cpu_manager_state"]["reset"]
+    assert kubelet_state.state_reset(None, new, _state("static"))["cpu_manager_state"]["reset"]
+    assert kubelet_state.state_reset(new, new, "not json")["cpu_manager_state"]["reset"]
 
 
 # ------------------------------------------------------------------ the role on localhost
@@ -765,14 +774,14 @@ def test_reserved_cpus_kubelet_cannot_parse_are_refused(epyc, reserved):
     errors = _errors(epyc, extra={"reservedSystemCPUs": reserved})
     assert any("unable to parse reservedSystemCPUs" in e for e in errors), errors
     with pytest.raises(ValueError):
-        kubelet.parse_cpuset(reserved)
+        kubelet_values.parse_cpuset(reserved)
 
 
 def test_reserved_cpus_kubelet_parses_are_accepted(epyc):
     _, plan = epyc
     spelled = plan["kubelet"]["reservedSystemCPUs"]
     assert not [e for e in _errors(epyc, reserved_system_cpus=spelled) if "parse" in e]
-    assert kubelet.parse_cpuset("") == [] and kubelet.parse_cpuset("3-3,1") == [1, 3]
+    assert kubelet_values.parse_cpuset("") == [] and kubelet_values.parse_cpuset("3-3,1") == [1, 3]
 
 
 # ------------------------------------------------------------------ evictionHard defaulting
@@ -816,7 +825,7 @@ DEFAULT_EVICTION = 100 * 2**20
 
 def _reserved_memory_total(result):
     return sum(
-        kubelet.parse_quantity(entry["limits"]["memory"])
+        kubelet_values.parse_quantity(entry["limits"]["memory"])
         for entry in result["config"]["reservedMemory"]
     )
 
@@ -960,7 +969,9 @@ def test_cpuless_nodes_count_toward_the_eight_node_limit(epyc):
     config, _ = kubelet.render(plan, ten, settings)
     assert config["topologyManagerPolicyOptions"] == {"max-allowable-numa-nodes": "10"}
     assert [e["numaNode"] for e in config["reservedMemory"]] == list(range(8))  # CPU nodes
-    assert not [e for e in kubelet.validate(config, ten, settings, plan) if "NUMA nodes" in e]
+    assert not [
+        e for e in kubelet_validate.validate(config, ten, settings, plan) if "NUMA nodes" in e
+    ]
     # 1.31-1.34: beta option behind TopologyManagerPolicyBetaOptions (on by default)
     settings = kubelet.normalize_settings({"kubelet_version": "1.31"})
     config, _ = kubelet.render(plan, ten, settings)
@@ -971,7 +982,7 @@ def test_cpuless_nodes_count_toward_the_eight_node_limit(epyc):
     assert any("10 NUMA nodes (CPU-less 8-9 included" in e for e in errors), errors
     settings = kubelet.normalize_settings({"kubelet_version": "1.30"})
     config, _ = kubelet.render(plan, ten, settings)
-    errors = kubelet.validate(config, ten, settings, plan)
+    errors = kubelet_validate.validate(config, ten, settings, plan)
     assert any(
         "10 NUMA nodes (CPU-less 8-9 included" in e and "upgrade kubelet" in e for e in errors
     )

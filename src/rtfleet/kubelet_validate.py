@@ -1,0 +1,1 @@
+../../plugins/module_utils/kubelet_validate.py
