@@ -1,7 +1,7 @@
 """The fleet report: every host's post-check result, its verdict, plots, before and after.
 
 ``build_report(results_dir, out_dir)`` reads the per-host ``*.json`` files the post-check
-role wrote (schema in ``postcheck.py``), re-gates each host with ``postcheck.gate_host`` and
+role wrote (schema in ``postcheck.py``), re-gates each host with ``postcheck_gate.gate_host`` and
 writes (the HTML and the Markdown from one document, :func:`report_blocks`, through the
 Jinja2 templates of ``report_doc.py``)::
 
@@ -32,19 +32,15 @@ import time
 from functools import partial
 from pathlib import Path
 
-from .postcheck import (
+from .postcheck import PostcheckError, load_result
+from .postcheck_gate import (
     DEFAULT_HWLATDETECT_MAX_US,
-    PostcheckError,
     cyclictest_thresholds,
-    format_percentile,
     gate_host,
     gate_smoke,
-    load_result,
-    parse_cyclictest,
-    parse_hwlatdetect,
-    parse_oslat,
     smoke_client_placement,
 )
+from .postcheck_parse import format_percentile, parse_cyclictest, parse_hwlatdetect, parse_oslat
 from . import report_doc as doc
 from .report_containers import containers_blocks, containers_failed, load_containers
 from .report_drift import drift_blocks, load_drift

@@ -19,7 +19,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from rtfleet.postcheck import gate_oslat, parse_cyclictest, parse_oslat
+from rtfleet.postcheck_gate import gate_oslat
+from rtfleet.postcheck_parse import parse_cyclictest, parse_oslat
 from rtfleet.topology import format_cpumask, parse_cpulist
 
 TEMPLATES = Path(__file__).parents[2] / "roles/rtfleet_postcheck/templates"

@@ -18,7 +18,7 @@ from conftest import REPO
 from postcheck_results import host_result, smoke_entry, write_results
 from shminfer_serving import CPUS, serving
 
-from rtfleet.postcheck import DEFAULT_SMOKE_MAX_JITTER, gate_host, gate_smoke
+from rtfleet.postcheck_gate import DEFAULT_SMOKE_MAX_JITTER, gate_host, gate_smoke
 from rtfleet.report import build_report
 from rtfleet.topology import parse_cpulist
 from shminfer.client import attach
