@@ -106,7 +106,7 @@ test: lint unit collection molecule
 DRILLS ?=
 drills: setup deps
 	$(BIN)/rtfleet lab image
-	$(BIN)/pytest tests/drills -v -p no:cacheprovider $(if $(DRILLS),-k "$(DRILLS)")
+	$(BIN)/pytest tests/drills -v -p no:cacheprovider --durations=0 $(if $(DRILLS),-k "$(DRILLS)")
 
 # The pytest tests that boot lab VMs themselves (the Molecule scenario covers CI).
 test-vm: setup deps

@@ -4,10 +4,10 @@
 """Ansible filters that expose rtfleet's planner and post-check gate to playbooks.
 
 The filters run on the controller and call the collection's module_utils (``planner``,
-``boot``, ``postcheck``, ``sampler``, ``topology``), the same code as the ``rtfleet`` CLI, so
+``boot``, ``postcheck*``, ``sampler``, ``topology``), the same code as the ``rtfleet`` CLI, so
 a role's kernel arguments, kubelet reserved set and unit pinning come from one computation;
-likewise the post-check verdict comes from ``postcheck``, as ``rtfleet report``'s. Use them by
-their full names: ``{{ cpus | rtfleet.fleet.cpulist }}``.
+likewise the post-check verdict comes from ``postcheck_gate``, as ``rtfleet report``'s. Use
+them by their full names: ``{{ cpus | rtfleet.fleet.cpulist }}``.
 """
 
 from __future__ import absolute_import, division, print_function
@@ -28,9 +28,15 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.planner import (
 from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck import (
     PostcheckError,
     check_settings,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_consistency import (
     consistency_checks,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_gate import (
     gate_host,
     hardware_gate,
+)
+from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_parse import (
     parse_cyclictest,
 )
 from ansible_collections.rtfleet.fleet.plugins.module_utils.rollout import (
@@ -143,7 +149,10 @@ def rtfleet_postcheck_settings_errors(settings):
 
 
 def rtfleet_postcheck_consistency(plan, observed):
-    """{{ plan | rtfleet.fleet.postcheck_consistency(observed) }}: postcheck.consistency_checks."""
+    """{{ plan | rtfleet.fleet.postcheck_consistency(observed) }}: the checks' list.
+
+    postcheck_consistency.consistency_checks: [{"check", "ok", "detail"}, ...].
+    """
     try:
         return consistency_checks(plan, observed)
     except PostcheckError as exc:

@@ -9,8 +9,8 @@ import os
 import re
 
 from . import boot, hosttune
-from .drift_checks import check_result, judge, read_text, under
 from .cpulist import TopologyError, format_cpulist, parse_cpulist, parse_cpumask
+from .drift_checks import check_result, judge, read_text, under
 
 IRQBALANCE_CONFIG = "/etc/default/irqbalance"
 TUNED_ACTIVE = "/etc/tuned/active_profile"

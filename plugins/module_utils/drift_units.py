@@ -10,8 +10,8 @@ import json
 import os
 import re
 
-from .drift_checks import check_result, judge, read_text, systemd_cpus, under
 from .cpulist import TopologyError, format_cpulist, parse_cpulist
+from .drift_checks import check_result, judge, read_text, systemd_cpus, under
 
 
 def unit_name(group):

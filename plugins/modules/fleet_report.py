@@ -78,9 +78,9 @@ from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible_collections.rtfleet.fleet.plugins.module_utils.report_doc import (
     JINJA2_IMPORT_ERROR,
 )
-from ansible_collections.rtfleet.fleet.plugins.module_utils.report import (
-    ReportError,
-    build_report,
+from ansible_collections.rtfleet.fleet.plugins.module_utils.report import build_report
+from ansible_collections.rtfleet.fleet.plugins.module_utils.report_files import ReportError
+from ansible_collections.rtfleet.fleet.plugins.module_utils.report_tables import (
     host_summary,
     render_fleet_table,
 )

@@ -15,7 +15,9 @@ from rtfleet.checklist import ChecklistError, evaluate
 from rtfleet.planner import PlanError, plan_partition
 from rtfleet.postcheck import PostcheckError
 from rtfleet.render import render_checklist_table, render_plan_table, render_topology_table
-from rtfleet.report import ReportError, build_report, host_summary, render_fleet_table
+from rtfleet.report import build_report
+from rtfleet.report_files import ReportError
+from rtfleet.report_tables import host_summary, render_fleet_table
 from rtfleet.sampler import KUBERNETES_VERSION, SamplerError, check_manifest_text
 from rtfleet.topology import TopologyError, read_topology
 

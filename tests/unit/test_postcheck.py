@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 from postcheck_results import CYCLICTEST, cyclictest_doc, host_result, smoke_entry
 
-from rtfleet.postcheck import (
+from rtfleet.postcheck import PostcheckError, validate_result
+from rtfleet.postcheck_gate import (
     DEFAULT_THRESHOLDS,
-    PostcheckError,
     cyclictest_thresholds,
-    format_percentile,
     gate_cyclictest,
     gate_host,
-    parse_cyclictest,
-    validate_result,
 )
+from rtfleet.postcheck_parse import format_percentile, parse_cyclictest
 
 
 def _doc(histogram: dict, cycles: int, *, hist_us: int = 200, max_us: int | None = None):
@@ -446,7 +444,7 @@ def _consistency_inputs(trees, shape="epyc-9634-2s"):
     "shape", ["epyc-9634-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0"]
 )
 def test_consistency_passes_when_kernel_kubelet_and_units_say_what_the_plan_says(trees, shape):
-    from rtfleet.postcheck import consistency_checks
+    from rtfleet.postcheck_consistency import consistency_checks
 
     plan, boot, kubelet, shown, drift = _consistency_inputs(trees, shape)
     assert len(plan["runtime_groups"]) >= 2  # server shapes: one unit per L3 group
@@ -458,7 +456,7 @@ def test_consistency_passes_when_kernel_kubelet_and_units_say_what_the_plan_says
 
 
 def test_consistency_names_each_disagreement(trees):
-    from rtfleet.postcheck import consistency_checks
+    from rtfleet.postcheck_consistency import consistency_checks
 
     plan, boot, kubelet, shown, drift = _consistency_inputs(trees)
     first, last = plan["runtime_groups"][0], plan["runtime_groups"][-1]
@@ -492,7 +490,7 @@ def test_consistency_names_each_disagreement(trees):
 
 
 def test_consistency_without_kubelet_dropin_or_threads_says_so(trees):
-    from rtfleet.postcheck import consistency_checks
+    from rtfleet.postcheck_consistency import consistency_checks
 
     plan, boot, _kubelet, shown, _drift = _consistency_inputs(trees, "xeon-2s-smt")
     checks = consistency_checks(
@@ -513,7 +511,8 @@ def test_consistency_without_kubelet_dropin_or_threads_says_so(trees):
     ],
 )
 def test_consistency_refuses_inputs_it_cannot_compare(trees, mangle, message):
-    from rtfleet.postcheck import PostcheckError, consistency_checks
+    from rtfleet.postcheck import PostcheckError
+    from rtfleet.postcheck_consistency import consistency_checks
 
     plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
     plan, shown = mangle(plan, shown)
@@ -525,7 +524,7 @@ def test_consistency_refuses_inputs_it_cannot_compare(trees, mangle, message):
     "junk", ["", "CPUAffinity\n", "=\n", "CPUAffinity=not-a-list\n", "\x00" * 9]
 )
 def test_consistency_reads_hostile_systemctl_output_as_a_failure(trees, junk):
-    from rtfleet.postcheck import consistency_checks
+    from rtfleet.postcheck_consistency import consistency_checks
 
     plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
     shown[0] = junk

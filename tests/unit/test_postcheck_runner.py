@@ -20,7 +20,8 @@ import jinja2
 import pytest
 
 from rtfleet.cpulist import format_cpumask, parse_cpulist
-from rtfleet.postcheck import gate_oslat, parse_cyclictest, parse_oslat
+from rtfleet.postcheck_gate import gate_oslat
+from rtfleet.postcheck_parse import parse_cyclictest, parse_oslat
 
 TEMPLATES = Path(__file__).parents[2] / "roles/rtfleet_postcheck/templates"
 

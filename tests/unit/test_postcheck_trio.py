@@ -12,16 +12,9 @@ import re
 import pytest
 from postcheck_results import host_result, hwlatdetect_output, oslat_doc
 
-from rtfleet.postcheck import (
-    PostcheckError,
-    check_settings,
-    gate_host,
-    gate_hwlatdetect,
-    gate_oslat,
-    hardware_gate,
-    parse_hwlatdetect,
-    parse_oslat,
-)
+from rtfleet.postcheck import PostcheckError, check_settings
+from rtfleet.postcheck_gate import gate_host, gate_hwlatdetect, gate_oslat, hardware_gate
+from rtfleet.postcheck_parse import parse_hwlatdetect, parse_oslat
 
 # --------------------------------------------------------------------------- oslat
 

@@ -15,7 +15,8 @@ from conftest import REPO, run_local_playbook
 from postcheck_results import host_result, smoke_entry, write_results
 
 from rtfleet import cli
-from rtfleet.report import ReportError, build_report
+from rtfleet.report import build_report
+from rtfleet.report_files import ReportError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

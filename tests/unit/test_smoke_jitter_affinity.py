@@ -19,7 +19,7 @@ from postcheck_results import host_result, smoke_entry, write_results
 from shminfer_serving import CPUS, serving
 
 from rtfleet.cpulist import parse_cpulist
-from rtfleet.postcheck import DEFAULT_SMOKE_MAX_JITTER, gate_host, gate_smoke
+from rtfleet.postcheck_gate import DEFAULT_SMOKE_MAX_JITTER, gate_host, gate_smoke
 from rtfleet.report import build_report
 from shminfer.client import attach
 
