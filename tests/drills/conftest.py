@@ -38,6 +38,10 @@ HOST = ATTACHED or "drill"
 # the batch after it, a batch of two that loses one).
 PEER = "drill2"
 TOPOLOGY = os.environ.get("RTFLEET_DRILL_TOPOLOGY", "epyc-2ccx")
+# ssh wait after a power cut's power-on. A drill checks which boot entry comes up, not how
+# fast: alone, the guest answers in about 80 s, but under TCG on two cores shared with other
+# work its initramfs once sat out two udev timeouts and passed `rtfleet lab`'s 300 s default.
+POWER_ON_TIMEOUT_S = 900
 
 
 def pytest_configure(config):
@@ -119,6 +123,9 @@ class Lab:
         if check and result.returncode != 0:
             raise AssertionError(f"on {host}: {command}: rc {result.returncode}: {result.stderr}")
         return result.stdout
+
+    def power_on(self, host: str = HOST) -> None:
+        self.cli("power", host, "on", "--timeout", str(POWER_ON_TIMEOUT_S))
 
     def qemu_pid(self, host: str = HOST) -> int | None:
         status = json.loads(self.cli("status", "--format", "json").stdout)

@@ -486,7 +486,7 @@ def test_a_host_lost_in_the_middle_of_a_batch_is_counted_and_the_rest_go_on(lab,
 
     # PEER powered on: it boots (the host step never reached GRUB), and a plain re-run of
     # site.yml takes it to the end: the trial boot verified, the drift guard finds nothing.
-    lab.cli("power", peer, "on")
+    lab.power_on(peer)
     grubenv_text = lab.ssh("grub-editenv /boot/grub/grubenv list", host=peer)
     assert "next_entry=rtfleet" not in grubenv_text, grubenv_text
     again = lab.playbook(SITE, *models["c"], *_kubelet_if_installed(lab, peer), limit=peer)
@@ -637,7 +637,7 @@ def test_power_loss_before_the_trial_is_verified(lab):
     run = lab.playbook(HOST_PLAYBOOK, *marker(3), fault=(GRUB_WRITTEN, _power_cut(lab, False)))
     assert run.faults and "power cut" in run.faults[0], run.tail()
     assert lab.qemu_pid() is None, "QEMU still runs: the power was not cut"
-    lab.cli("power", HOST, "on")
+    lab.power_on()
     # The one-shot trial (if GRUB's next_entry reached the disk) or the last good entry;
     # never anything else, and a grubenv GRUB and grub-editenv can read.
     assert drill_marker(lab) in (before, 3)
@@ -649,7 +649,7 @@ def test_power_loss_while_the_trial_kernel_boots(lab):
     before = drill_marker(lab)
     run = lab.playbook(HOST_PLAYBOOK, *marker(4), fault=(TRIAL_REBOOT, _power_cut(lab, True)))
     assert run.faults and "while the trial kernel boots" in run.faults[0], run.tail()
-    lab.cli("power", HOST, "on")
+    lab.power_on()
     # GRUB cleared the one-shot entry when it started the trial: the next boot is the last
     # good entry, and the trial is not the default.
     assert drill_marker(lab) == before
