@@ -25,6 +25,11 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.planner import (
     PlanError,
     plan_partition,
 )
+from ansible_collections.rtfleet.fleet.plugins.module_utils.plan_record import (
+    PLAN_FILE,
+    PlanRecordError,
+    parse_plan,
+)
 from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck import (
     PostcheckError,
     check_settings,
@@ -67,6 +72,16 @@ def rtfleet_plan(topology, policy=None):
         return plan_partition(topology, dict(policy or {}))
     except PlanError as exc:
         raise AnsibleFilterError("rtfleet plan: %s" % exc) from None
+
+
+def rtfleet_plan_record(text, path=PLAN_FILE):
+    """{{ slurped.content | b64decode | rtfleet.fleet.plan_record(path) }} -> {"plan": the
+    record, "error": ""}, its schema and CPU sets checked (module_utils/plan_record, as the
+    drift guard checks it); a record no reader can use -> {"plan": {}, "error": one line}."""
+    try:
+        return {"plan": parse_plan(text), "error": ""}
+    except PlanRecordError as exc:
+        return {"plan": {}, "error": "cannot use %s: %s" % (path, exc)}
 
 
 def rtfleet_cpulist(cpus):
@@ -230,6 +245,7 @@ class FilterModule(object):
     def filters(self):
         return {
             "plan": rtfleet_plan,
+            "plan_record": rtfleet_plan_record,
             "cpulist": rtfleet_cpulist,
             "cpus": rtfleet_cpus,
             "cpumask": rtfleet_cpumask,

@@ -88,9 +88,10 @@ from .drift_host import (
     check_tuned,
 )
 from .drift_units import check_kubelet, check_unit_threads, check_units, unit_name
+from .plan_record import PLAN_FILE, PlanRecordError, check_plan
 
 SCHEMA = 1
-PLAN = "/etc/rtfleet/plan.json"
+PLAN = PLAN_FILE
 HOST = "/etc/rtfleet/host.json"
 TUNE = "/etc/rtfleet/tune.json"
 TUNE_STATE = "/run/rtfleet/tune-state.json"
@@ -136,22 +137,11 @@ def _load_json(path, name, required_keys):
 def load_records(root):
     """(plan, host record, tune config tuple) or RecordError naming the file."""
     plan_path, host_path, tune_path = (under(root, p) for p in (PLAN, HOST, TUNE))
-    plan = _load_json(plan_path, "plan", ("housekeeping", "isolated", "runtime_groups"))
+    plan = _load_json(plan_path, "plan", ())
     host = _load_json(host_path, "host", ("kernel_args",))
     try:
-        for key in ("housekeeping", "isolated"):
-            if not isinstance(plan[key], list) or not all(isinstance(c, int) for c in plan[key]):
-                raise ValueError("%s is not a list of CPU numbers" % key)
-        if not isinstance(plan["runtime_groups"], list):
-            raise ValueError("runtime_groups is not a list")
-        for group in plan["runtime_groups"]:
-            if not isinstance(group, dict) or not {"name", "cpus"} <= set(group):
-                raise ValueError("a runtime group without name or cpus")
-            if not all(isinstance(c, int) for c in group["cpus"]):
-                raise ValueError(
-                    "runtime group %s: cpus is not a list of CPU numbers" % group["name"]
-                )
-    except (TypeError, ValueError) as exc:
+        check_plan(plan)
+    except PlanRecordError as exc:
         raise RecordError("cannot use %s: %s" % (plan_path, exc)) from None
     if not isinstance(host["kernel_args"], list) or not all(
         isinstance(a, str) for a in host["kernel_args"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import copy
 
 from .cpulist import TopologyError, format_cpulist, format_cpumask, parse_cpulist
+from .plan_record import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 
-PLAN_SCHEMA_VERSION = 1
 
 DEFAULT_POLICY = {
     # Whole cores of housekeeping on every NUMA node (ignored when housekeeping_cpus is set).

@@ -527,7 +527,7 @@ def _run_role(tmp_path, root, *args, plan=True, tasks_from=None, **role_vars):
         policy = {"runtime_l3_groups": 8}
         plan_file.write_text(json.dumps(plan_partition(read_topology(str(root)), policy)))
     role_vars = {
-        "rtfleet_kubelet_plan_file": str(plan_file),
+        "rtfleet_host_plan_file": str(plan_file),
         "rtfleet_kubelet_sysfs_root": str(root),
         "rtfleet_kubelet_config_dir": str(kube / "etc/kubelet.conf.d"),
         "rtfleet_kubelet_main_config": str(kube / "var/config.yaml"),

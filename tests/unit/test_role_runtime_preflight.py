@@ -67,7 +67,7 @@ def test_runtime_refuses_a_host_without_a_plan(tmp_path, runtime_dirs):
     run, task, msg = _run(
         tmp_path,
         "rtfleet_runtime",
-        rtfleet_runtime_plan_file=str(tmp_path / "missing.json"),
+        rtfleet_host_plan_file=str(tmp_path / "missing.json"),
         **runtime_dirs,
     )
     assert run.returncode != 0
@@ -79,10 +79,23 @@ def test_runtime_refuses_a_plan_without_runtime_groups(tmp_path, trees, runtime_
     path, plan = _plan_file(tmp_path, trees, "epyc-9634-2s", {"runtime_l3_groups": 0})
     assert plan["runtime_groups"] == []
     run, task, msg = _run(
-        tmp_path, "rtfleet_runtime", rtfleet_runtime_plan_file=str(path), **runtime_dirs
+        tmp_path, "rtfleet_runtime", rtfleet_host_plan_file=str(path), **runtime_dirs
     )
     assert run.returncode != 0
     assert "no runtime group" in msg and "runtime_l3_groups" in msg, (task, msg)
+    assert _nothing_written(tmp_path)
+
+
+def test_runtime_refuses_a_plan_record_of_another_schema(tmp_path, trees, runtime_dirs):
+    path, plan = _plan_file(tmp_path, trees, "epyc-9634-2s", {})
+    path.write_text(json.dumps({**plan, "schema": 2}))
+    run, task, msg = _run(
+        tmp_path, "rtfleet_runtime", rtfleet_host_plan_file=str(path), **runtime_dirs
+    )
+    assert run.returncode != 0
+    assert task.endswith("Stop on a plan record this collection cannot use"), (task, msg)
+    assert msg.startswith(f"cannot use {path}: plan schema 2 is not one this collection reads (1)")
+    assert "re-run the host step" in msg
     assert _nothing_written(tmp_path)
 
 
@@ -102,7 +115,7 @@ def test_runtime_refuses_bad_settings(tmp_path, trees, runtime_dirs, variables, 
     run, task, msg = _run(
         tmp_path,
         "rtfleet_runtime",
-        rtfleet_runtime_plan_file=str(path),
+        rtfleet_host_plan_file=str(path),
         **runtime_dirs,
         **variables,
     )

@@ -276,7 +276,7 @@ def test_the_samplers_playbook_writes_a_checked_manifest_from_the_plan_record(pl
     out = tmp_path / "manifests"
     common = [
         "-e",
-        f"rtfleet_runtime_plan_file={plan_file}",
+        f"rtfleet_host_plan_file={plan_file}",
         "-e",
         f"rtfleet_sampler_manifest_dir={out}",
         "-e",
@@ -399,7 +399,7 @@ def test_the_samplers_playbook_writes_the_manifest_under_limit(plans, tmp_path):
         REPO / "playbooks/samplers.yml",
         "-i", str(inventory),
         "--limit", "rack1",
-        "-e", f"rtfleet_runtime_plan_file={plan_file}",
+        "-e", f"rtfleet_host_plan_file={plan_file}",
         "-e", f"rtfleet_sampler_manifest_dir={out}",
         "-e", "rtfleet_runtime_group=root rtfleet_runtime_user=root rtfleet_host_class=lab",
     )  # fmt: skip

@@ -1,0 +1,95 @@
+"""The plan record's one check (module_utils/plan_record), shared by the roles' read_plan
+(through the plan_record filter) and the drift guard on the host.
+
+Every plan the planner makes for the captured and generated server shapes passes it; a record
+of a schema this collection does not read, or with a malformed CPU set or runtime group, is
+refused in one line that names what is wrong, by the filter and by rtfleet-drift alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from rtfleet import drift
+from rtfleet.plan_record import READABLE_SCHEMAS, SCHEMA_VERSION, PlanRecordError, parse_plan
+from rtfleet.planner import plan_partition
+from rtfleet.topology import read_topology
+
+SHAPES = sorted(p.stem for p in (REPO / "tests/fixtures/shapes").glob("*.json"))
+
+
+def _filter():
+    from ansible_collections.rtfleet.fleet.plugins.filter.rtfleet import FilterModule
+
+    return FilterModule().filters()["plan_record"]
+
+
+@pytest.fixture(scope="module")
+def good(trees):
+    return plan_partition(read_topology(str(trees("epyc-9634-2s"))), {"runtime_l3_groups": 8})
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_plan_the_planner_makes_is_a_record_the_readers_take(trees, shape):
+    # The VMware shapes are planned only when told to (a lab); the record is the same kind.
+    policy = {"allow_deceptive_topology": True} if shape.startswith("vmware") else {}
+    plan = plan_partition(read_topology(str(trees(shape))), policy)
+    assert plan["schema"] == SCHEMA_VERSION in READABLE_SCHEMAS
+    assert parse_plan(json.dumps(plan)) == plan
+    assert _filter()(json.dumps(plan), "/etc/rtfleet/plan.json") == {"plan": plan, "error": ""}
+
+
+def _edited(plan, edit):
+    doc = json.loads(json.dumps(plan))
+    edit(doc)
+    return json.dumps(doc)
+
+
+HOSTILE = [
+    ("not json", lambda p: None, "not JSON"),
+    ("[1, 2]", None, "not a JSON object"),
+    ("null", None, "not a JSON object"),
+    (None, lambda p: p.update(schema=2), "plan schema 2 is not one this collection reads (1)"),
+    (None, lambda p: p.pop("schema"), "plan schema null is not one"),
+    (None, lambda p: p.update(schema="1"), 'plan schema "1" is not one'),
+    (None, lambda p: p.update(schema=True), "plan schema true is not one"),
+    (None, lambda p: p.pop("isolated"), "no isolated in the plan record"),
+    (None, lambda p: p.update(housekeeping="0-3"), "housekeeping is not a list of CPU numbers"),
+    (None, lambda p: p.update(isolated=[1, -2]), "isolated is not a list of CPU numbers"),
+    (None, lambda p: p.update(online=[0, True]), "online is not a list of CPU numbers"),
+    (None, lambda p: p.update(pod_pool=[1.5]), "pod_pool is not a list of CPU numbers"),
+    (None, lambda p: p.update(runtime_groups={}), "runtime_groups is not a list"),
+    (None, lambda p: p["runtime_groups"].append("ccx9"), "a runtime group without name or cpus"),
+    (None, lambda p: p["runtime_groups"][0].pop("cpus"), "a runtime group without name or cpus"),
+    (None, lambda p: p["runtime_groups"][0].update(name="../x"), "'../x' is not [A-Za-z0-9_-]+"),
+    (None, lambda p: p["runtime_groups"][0].update(name="a\nb"), "is not [A-Za-z0-9_-]+"),
+    (None, lambda p: p["runtime_groups"][0].update(cpus="1-3"), "cpus is not a list of CPU"),
+]
+
+
+@pytest.mark.parametrize(("text", "edit", "message"), HOSTILE)
+def test_a_record_the_readers_cannot_use_is_refused_in_one_line(good, text, edit, message):
+    text = text if text is not None else _edited(good, edit)
+    with pytest.raises(PlanRecordError) as caught:
+        parse_plan(text)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+    filtered = _filter()(text, "/etc/rtfleet/plan.json")
+    assert filtered["plan"] == {}
+    assert filtered["error"] == "cannot use /etc/rtfleet/plan.json: %s" % caught.value
+
+
+@pytest.mark.parametrize(("text", "edit", "message"), HOSTILE[3:])
+def test_the_drift_guard_refuses_the_same_records(tmp_path, good, text, edit, message):
+    etc = tmp_path / "etc/rtfleet"
+    etc.mkdir(parents=True)
+    (etc / "plan.json").write_text(_edited(good, edit))
+    (etc / "host.json").write_text(json.dumps({"kernel_args": []}))
+    with pytest.raises(drift.RecordError) as caught:
+        drift.load_records(str(tmp_path))
+    assert str(caught.value).startswith("cannot use %s: " % Path(tmp_path, "etc/rtfleet/plan.json"))
+    assert message in str(caught.value)
