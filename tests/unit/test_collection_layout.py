@@ -224,3 +224,20 @@ def test_the_built_collection_carries_what_users_run_and_no_development_parts(tm
     for path in sorted((REPO / "playbooks").rglob("*.yml")):
         needed |= set(re.findall(r"playbook_dir\W+/\.\./([\w./-]+)", path.read_text()))
     assert needed and needed <= names, sorted(needed - names)
+
+
+# What rtfleet_host's read_plan leaves for the roles that include it: the facts it sets and
+# the one include variable. rtfleet_host's defaults are in scope only inside the include, so
+# any other rtfleet_host_* name in another role is undefined on a host that does not set it
+# (a site run on a lab VM failed so: the runtime role's message named rtfleet_host_plan_file).
+FROM_READ_PLAN = {"rtfleet_host_plan", "rtfleet_host_plan_found", "rtfleet_host_plan_required"}
+
+
+def test_other_roles_use_only_what_read_plan_sets_of_the_host_role():
+    used = {}
+    for role in ("rtfleet_kubelet", "rtfleet_runtime", "rtfleet_postcheck"):
+        for path in sorted((REPO / "roles" / role).glob("t*/*")):  # tasks/, templates/
+            for name in re.findall(r"\brtfleet_host_\w+", path.read_text()):
+                used.setdefault(name, set()).add(str(path.relative_to(REPO)))
+    assert {n: p for n, p in used.items() if n not in FROM_READ_PLAN} == {}
+    assert "rtfleet_host_plan" in used

@@ -27,7 +27,7 @@ CHANGES_A_HOST = {
 }
 # Read-only on any host (assess previews the plan of any host) or on the controller only.
 ANY_HOST = {
-    "rtfleet_host": ["plan", "platform"],
+    "rtfleet_host": ["plan", "platform", "read_plan"],
     "rtfleet_runtime": ["bundle"],
     "rtfleet_postcheck": ["report", "refused", "stopped"],
 }
