@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_local_playbook
 
 from rtfleet import drift
 from rtfleet.plan_record import READABLE_SCHEMAS, SCHEMA_VERSION, PlanRecordError, parse_plan
@@ -83,7 +83,7 @@ def test_a_record_the_readers_cannot_use_is_refused_in_one_line(good, text, edit
     assert filtered["error"] == "cannot use /etc/rtfleet/plan.json: %s" % caught.value
 
 
-@pytest.mark.parametrize(("text", "edit", "message"), HOSTILE[3:])
+@pytest.mark.parametrize(("text", "edit", "message"), [h for h in HOSTILE if h[0] is None])
 def test_the_drift_guard_refuses_the_same_records(tmp_path, good, text, edit, message):
     etc = tmp_path / "etc/rtfleet"
     etc.mkdir(parents=True)
@@ -93,3 +93,54 @@ def test_the_drift_guard_refuses_the_same_records(tmp_path, good, text, edit, me
         drift.load_records(str(tmp_path))
     assert str(caught.value).startswith("cannot use %s: " % Path(tmp_path, "etc/rtfleet/plan.json"))
     assert message in str(caught.value)
+
+
+def _read_plan(tmp_path, plan_file, *args, before=None, required=True):
+    """rtfleet_host's read_plan on localhost; what it left: {"plan", "found"}."""
+    out = tmp_path / "left.json"
+    tasks = []
+    if before is not None:  # what the host role's `plan` entry point computed in this run
+        tasks.append({"ansible.builtin.set_fact": {"rtfleet_host_plan": before}})
+    tasks += [
+        {
+            "ansible.builtin.include_role": {
+                "name": "rtfleet.fleet.rtfleet_host",
+                "tasks_from": "read_plan",
+            },
+            "vars": {
+                "rtfleet_host_plan_file": str(plan_file),
+                "rtfleet_host_plan_required": required,
+            },
+        },
+        {
+            "ansible.builtin.copy": {
+                "content": '{{ {"plan": rtfleet_host_plan, "found": rtfleet_host_plan_found}'
+                " | to_json }}",
+                "dest": str(out),
+            },
+            "check_mode": False,
+        },
+    ]
+    playbook = tmp_path / "read.yml"
+    playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+    run = run_local_playbook(playbook, *args)
+    assert run.returncode == 0, run.stdout[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_read_plan_keeps_the_record_or_this_runs_plan_in_check_mode(tmp_path, good):
+    recorded = tmp_path / "plan.json"
+    recorded.write_text(json.dumps(good))
+    assert _read_plan(tmp_path, recorded) == {"plan": good, "found": True}
+    # Check mode after the host role computed the plan (it records nothing in check mode):
+    # that plan, though no record exists.
+    computed = {**good, "cpulists": {**good["cpulists"], "isolated": "computed"}}
+    missing = tmp_path / "none.json"
+    assert _read_plan(tmp_path, missing, "--check", before=computed) == {
+        "plan": computed,
+        "found": True,
+    }
+    # Check mode without a computed plan reads the record.
+    assert _read_plan(tmp_path, recorded, "--check") == {"plan": good, "found": True}
+    # No record, not required (a baseline host, the samplers playbook): found false, no plan.
+    assert _read_plan(tmp_path, missing, required=False) == {"plan": {}, "found": False}
