@@ -21,6 +21,10 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.boot import (
     compose_kernel_args,
     hugepage_runtime_settings,
 )
+from ansible_collections.rtfleet.fleet.plugins.module_utils.bundle import (
+    BundleError,
+    space_checks,
+)
 from ansible_collections.rtfleet.fleet.plugins.module_utils.planner import (
     PlanError,
     plan_partition,
@@ -29,6 +33,7 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.plan_record import (
     PLAN_FILE,
     PlanRecordError,
     parse_plan,
+    to_record,
 )
 from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck import (
     PostcheckError,
@@ -44,6 +49,10 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_gate impor
 from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_parse import (
     parse_cyclictest,
 )
+from ansible_collections.rtfleet.fleet.plugins.module_utils.postcheck_result import (
+    assemble_result,
+    measure_targets,
+)
 from ansible_collections.rtfleet.fleet.plugins.module_utils.rollout import (
     SAFEST,
     RolloutError,
@@ -58,6 +67,7 @@ from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler import (
     sampler_classes,
 )
 from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import (
+    TopologyError,
     format_cpulist,
     format_cpumask,
     parse_cpulist,
@@ -76,12 +86,30 @@ def rtfleet_plan(topology, policy=None):
 
 def rtfleet_plan_record(text, path=PLAN_FILE):
     """{{ slurped.content | b64decode | rtfleet.fleet.plan_record(path) }} -> {"plan": the
-    record, "error": ""}, its schema and CPU sets checked (module_utils/plan_record, as the
+    plan (the record's sets and every form derived from them), "error": ""}, its schema and
+    CPU sets checked (module_utils/plan_record, as the
     drift guard checks it); a record no reader can use -> {"plan": {}, "error": one line}."""
     try:
         return {"plan": parse_plan(text), "error": ""}
     except PlanRecordError as exc:
         return {"plan": {}, "error": "cannot use %s: %s" % (path, exc)}
+
+
+def rtfleet_plan_to_record(plan):
+    """{{ rtfleet_host_plan | rtfleet.fleet.plan_to_record }} -> what /etc/rtfleet/plan.json
+    stores of a plan: each CPU set once (module_utils/plan_record.to_record)."""
+    if not isinstance(plan, dict) or "runtime_groups" not in plan:
+        raise AnsibleFilterError("plan_to_record expects a plan (the rtfleet.fleet.plan filter's)")
+    return to_record(plan)
+
+
+def rtfleet_runtime_space(df_lines, bundle_bytes, release_bytes, min_free_mib):
+    """{{ df.stdout_lines | rtfleet.fleet.runtime_space(bundle, release, min_free_mib) }}
+    -> what must fit on which filesystem (module_utils/bundle.space_checks)."""
+    try:
+        return space_checks(list(df_lines), bundle_bytes, release_bytes, min_free_mib)
+    except (BundleError, TypeError, ValueError) as exc:
+        raise AnsibleFilterError("runtime_space: %s" % exc) from None
 
 
 def rtfleet_cpulist(cpus):
@@ -161,6 +189,28 @@ def rtfleet_postcheck_settings_errors(settings):
 
     -> [str], one line per bad setting."""
     return check_settings(dict(settings or {}))
+
+
+def rtfleet_postcheck_targets(plan, online, kind, cpus=None, smoke=True):
+    """{{ rtfleet_host_plan | rtfleet.fleet.postcheck_targets(online, kind, cpus, smoke) }}
+    -> {"cpus", "housekeeping", "units", "clients", "clients_from"}
+    (postcheck_result.measure_targets)."""
+    try:
+        return measure_targets(plan, online or [], kind, cpus or None, bool(smoke))
+    except (KeyError, TypeError, IndexError, TopologyError) as exc:
+        raise AnsibleFilterError("postcheck_targets: %s" % exc) from None
+
+
+def rtfleet_postcheck_result(measured, thresholds):
+    """{{ measured | rtfleet.fleet.postcheck_result(thresholds) }} -> the host's result
+    (postcheck.py's schema, without its gate; postcheck_result.assemble_result)."""
+    try:
+        return assemble_result(measured, thresholds or {})
+    except PostcheckError as exc:
+        host = measured.get("host")
+        raise AnsibleFilterError("postcheck result of %s: %s" % (host, exc)) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AnsibleFilterError("postcheck_result: bad input (%s)" % exc) from None
 
 
 def rtfleet_postcheck_consistency(plan, observed):
@@ -246,6 +296,8 @@ class FilterModule(object):
         return {
             "plan": rtfleet_plan,
             "plan_record": rtfleet_plan_record,
+            "plan_to_record": rtfleet_plan_to_record,
+            "runtime_space": rtfleet_runtime_space,
             "cpulist": rtfleet_cpulist,
             "cpus": rtfleet_cpus,
             "cpumask": rtfleet_cpumask,
@@ -256,6 +308,8 @@ class FilterModule(object):
             "postcheck_hardware_gate": rtfleet_postcheck_hardware_gate,
             "postcheck_settings_errors": rtfleet_postcheck_settings_errors,
             "postcheck_consistency": rtfleet_postcheck_consistency,
+            "postcheck_targets": rtfleet_postcheck_targets,
+            "postcheck_result": rtfleet_postcheck_result,
             "rollout_settings": rtfleet_rollout_settings,
             "rollout_keyword": rtfleet_rollout_keyword,
             "rollout_batch_verdict": rtfleet_rollout_batch_verdict,

@@ -102,6 +102,40 @@ def release_bytes(members: dict[str, Path]) -> int:
     return total
 
 
+MIB = 1 << 20
+
+
+def space_checks(df_lines: list[str], bundle: int, release: int, min_free_mib: int) -> list:
+    """What must fit where, from ``df --output=source,avail --block-size=1 DATA_DIR
+    PREFIX/releases``: ``[{"fs", "free", "need", "free_mib", "need_mib", "what"}]``, bytes
+    and whole MiB (free rounded down, need up). The bundle lands in the data directory and
+    the release under the prefix; one filesystem holding both needs room for both at once
+    (the bundle is removed after the install), each with ``min_free_mib`` left over."""
+    rows = [line.split() for line in df_lines[1:]]
+    if len(rows) != 2 or any(len(r) != 2 or not r[1].isdigit() for r in rows):
+        raise BundleError("df printed %r, not a source and free bytes per path" % df_lines)
+    bundle, release, reserve = int(bundle), int(release), int(min_free_mib) * MIB
+    bundle_what = "%d MiB bundle" % -(-bundle // MIB)
+    release_what = "%d MiB installed" % -(-release // MIB)
+    if rows[0][0] == rows[1][0]:
+        places = [(rows[0], bundle + release, bundle_what + ", " + release_what)]
+    else:
+        places = [(rows[0], bundle, bundle_what), (rows[1], release, release_what)]
+    checks = []
+    for (fs, free), need, what in places:
+        checks.append(
+            {
+                "fs": fs,
+                "free": int(free),
+                "need": need + reserve,
+                "free_mib": int(free) // MIB,
+                "need_mib": -(-(need + reserve) // MIB),
+                "what": what,
+            }
+        )
+    return checks
+
+
 def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
     """Write the bundle to OUT unless OUT already holds the same bytes.
 

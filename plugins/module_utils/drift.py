@@ -53,6 +53,11 @@ The JSON document (``--json`` prints it; schema 1, keys stable):
 
     checks.irqs adds "repinned" and "would_repin" ([{"irq", "actions", "from", "to"}]),
     "unmovable" ([int]) and "effective_outside" ([{"irq", "actions", "effective"}]).
+    checks.units adds "units": {UNIT: {"active": str, "cpu_affinity": str,
+        "numa_policy": str, "numa_mask": str, "problems": [str, ...]}} (what systemctl
+        showed of each unit of the plan; the post-check's lines come from it).
+    checks.kubelet adds "reserved" and "planned" (reservedSystemCPUs as the drop-in and the
+        plan write them) when there is a drop-in to read.
     checks.unit_threads adds "units": {UNIT: {"group": str, "cpus": cpulist,
         "active": bool, "processes": int, "threads": int,
         "outside": [{"pid": int, "tid": int, "comm": str, "cpus_allowed": cpulist,
@@ -140,7 +145,7 @@ def load_records(root):
     plan = _load_json(plan_path, "plan", ())
     host = _load_json(host_path, "host", ("kernel_args",))
     try:
-        check_plan(plan)
+        plan = check_plan(plan)
     except PlanRecordError as exc:
         raise RecordError("cannot use %s: %s" % (plan_path, exc)) from None
     if not isinstance(host["kernel_args"], list) or not all(

@@ -23,35 +23,52 @@ def _memory_node(group):
     return group.get("memory_node", group.get("numa_node"))
 
 
+def _unit_pinning(group, shown):
+    """What systemd shows of one group's unit against the group: ``{"active", "cpu_affinity",
+    "numa_policy", "numa_mask", "problems"}`` (what systemd printed, and what is off)."""
+    unit = unit_name(group)
+    seen = {
+        "active": shown.get("ActiveState") or shown.get("LoadState") or "",
+        "cpu_affinity": shown.get("CPUAffinity", ""),
+        "numa_policy": shown.get("NUMAPolicy", ""),
+        "numa_mask": shown.get("NUMAMask", ""),
+        "problems": [],
+    }
+    if seen["active"] != "active":
+        seen["problems"].append("%s is %s" % (unit, seen["active"] or "unknown"))
+        return seen
+    try:
+        have = systemd_cpus(seen["cpu_affinity"])
+        mask = systemd_cpus(seen["numa_mask"])
+    except TopologyError:
+        have = mask = None
+    if have != sorted(group["cpus"]):
+        seen["problems"].append(
+            "%s CPUAffinity is %s, the plan's group %s"
+            % (unit, format_cpulist(have or []) or "unset", format_cpulist(group["cpus"]))
+        )
+    node = _memory_node(group)
+    if node is not None and (seen["numa_policy"] != "bind" or mask != [node]):
+        seen["problems"].append(
+            "%s NUMA policy is %s:%s, the plan's bind:%s"
+            % (unit, seen["numa_policy"] or "default", format_cpulist(mask or []), node)
+        )
+    return seen
+
+
 def check_units(plan, units, runtime_installed):
+    """Each runtime unit active, its CPUAffinity the group's CPUs and its memory bound to the
+    group's node; ``units`` holds what systemd showed of each (the post-check's lines)."""
     groups = plan.get("runtime_groups") or []
     if not groups:
-        return check_result("skipped", ["the plan has no runtime group"])
+        return check_result("skipped", ["the plan has no runtime group"], units={})
     if not runtime_installed:
         return check_result(
-            "skipped", ["shminfer@.service is not installed (runtime role not run)"]
+            "skipped", ["shminfer@.service is not installed (runtime role not run)"], units={}
         )
-    problems = []
-    for group in groups:
-        unit = unit_name(group)
-        shown = units.get(unit, {})
-        if shown.get("ActiveState") != "active":
-            problems.append("%s is %s" % (unit, shown.get("ActiveState") or shown.get("LoadState")))
-            continue
-        have = systemd_cpus(shown.get("CPUAffinity"))
-        if have != sorted(group["cpus"]):
-            problems.append(
-                "%s CPUAffinity is %s, the plan's group %s"
-                % (unit, format_cpulist(have) or "unset", format_cpulist(group["cpus"]))
-            )
-        mask = systemd_cpus(shown.get("NUMAMask"))
-        node = _memory_node(group)
-        if node is not None and (shown.get("NUMAPolicy") != "bind" or mask != [node]):
-            problems.append(
-                "%s NUMA policy is %s:%s, the plan's bind:%s"
-                % (unit, shown.get("NUMAPolicy") or "default", format_cpulist(mask), node)
-            )
-    return judge(problems, ["%d units pinned and bound as planned" % len(groups)])
+    found = {unit_name(g): _unit_pinning(g, units.get(unit_name(g), {})) for g in groups}
+    problems = [p for seen in found.values() for p in seen["problems"]]
+    return judge(problems, ["%d units pinned and bound as planned" % len(groups)], units=found)
 
 
 def _cgroup_pids(root, control_group):
@@ -194,6 +211,8 @@ def _reserved_cpus(text):
 
 
 def check_kubelet(root, plan, dropin):
+    """kubelet's reservedSystemCPUs in the rtfleet drop-in against the plan's; ``reserved``
+    and ``planned`` hold both as written (the post-check's line)."""
     want = (plan.get("kubelet") or {}).get("reservedSystemCPUs")
     path = under(root, dropin)
     text = read_text(path)
@@ -204,16 +223,19 @@ def check_kubelet(root, plan, dropin):
     if not want:
         return check_result("skipped", ["the plan has no kubelet reservedSystemCPUs"])
     have_text = _reserved_cpus(text)
+    shown = {"reserved": have_text, "planned": want}
     if have_text is None:
         return check_result(
-            "drift", ["%s sets no reservedSystemCPUs; the plan's is %s" % (dropin, want)]
+            "drift", ["%s sets no reservedSystemCPUs; the plan's is %s" % (dropin, want)], **shown
         )
     try:
         have = parse_cpulist(have_text.replace(" ", ""))
     except TopologyError as exc:
-        return check_result("drift", ["%s: reservedSystemCPUs: %s" % (dropin, exc)])
+        return check_result("drift", ["%s: reservedSystemCPUs: %s" % (dropin, exc)], **shown)
     if have != parse_cpulist(want):
         return check_result(
-            "drift", ["kubelet reservedSystemCPUs is %s, the plan's %s" % (have_text, want)]
+            "drift",
+            ["kubelet reservedSystemCPUs is %s, the plan's %s" % (have_text, want)],
+            **shown,
         )
-    return check_result("ok", ["reservedSystemCPUs %s" % want])
+    return check_result("ok", ["reservedSystemCPUs %s" % want], **shown)

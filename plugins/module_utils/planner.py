@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import copy
 
-from .cpulist import TopologyError, format_cpulist, format_cpumask, parse_cpulist
+from .cpulist import TopologyError, format_cpulist, parse_cpulist
 from .plan_record import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
+from .plan_record import expand as expand_plan
 
 
 DEFAULT_POLICY = {
@@ -396,7 +397,8 @@ def _memory_nodes(topology):
 
 
 def _runtime_groups(runtime_units, policy, memory_node_of):
-    """One runtime group per chosen unit: its CPUs, workers, memory binding and unit."""
+    """One runtime group per chosen unit: its CPUs, workers and memory node (its cpulist and
+    systemd settings are plan_record.expand's)."""
     runtime_groups = []
     for unit in runtime_units:
         if policy["runtime_threads"] == "one_thread_per_core":
@@ -407,18 +409,12 @@ def _runtime_groups(runtime_units, policy, memory_node_of):
             {
                 "name": unit["name"],
                 "cpus": unit["cpus"],
-                "cpulist": format_cpulist(unit["cpus"]),
                 "worker_cpus": worker_cpus,
                 "numa_node": unit["numa_node"],
                 "memory_node": memory_node_of[unit["numa_node"]],
                 "l3_group": unit["l3_group"],
                 "package": unit["package"],
                 "partial_l3": unit["partial"],
-                "systemd": {
-                    "CPUAffinity": format_cpulist(unit["cpus"]),
-                    "NUMAPolicy": "bind",
-                    "NUMAMask": str(memory_node_of[unit["numa_node"]]),
-                },
             }
         )
     return runtime_groups
@@ -441,77 +437,24 @@ def _place_samplers(topology, runtime_groups, housekeeping, pod_pool):
                 break
 
 
-def _kernel_args(policy, isolated, housekeeping):
-    """isolcpus, nohz_full, rcu_nocbs, irqaffinity and kthread_cpus; none when nothing is
-    isolated."""
-    if not isolated:
-        return []
-    iso = format_cpulist(isolated)
-    flags = ",".join(policy["isolcpus_flags"])
-    return [
-        "isolcpus={}{}".format(flags + "," if flags else "", iso),
-        "nohz_full=" + iso,
-        "rcu_nocbs=" + iso,
-        "irqaffinity=" + format_cpulist(housekeeping),
-        "kthread_cpus=" + format_cpulist(housekeeping),
-    ]
-
-
 def _plan_record(topology, policy, sets, runtime_groups, warnings):
-    """The plan record: the sets (``sets``: online, housekeeping, runtime, pod_pool) and
-    every view the layers read, derived from them."""
+    """The plan: the record (each set once: ``sets`` online, housekeeping, runtime, pod_pool;
+    the groups; each NUMA node's CPUs) and every view the layers read, which
+    plan_record.expand derives from it as it does for every reader of the record."""
     memory_node_of = _memory_nodes(topology)
-    online, housekeeping = sets["online"], sets["housekeeping"]
-    runtime, pod_pool = sets["runtime"], sets["pod_pool"]
-    isolated = sorted(
-        set(runtime if "runtime" in policy["isolate"] else [])
-        | set(pod_pool if "pod_pool" in policy["isolate"] else [])
-    )
-    not_housekeeping = sorted(set(online) - set(housekeeping))
-    return {
+    record = {
         "schema": PLAN_SCHEMA_VERSION,
         "policy": policy,
-        "online": online,
-        "housekeeping": housekeeping,
-        "runtime": runtime,
-        "pod_pool": pod_pool,
-        "isolated": isolated,
+        **{key: sets[key] for key in ("online", "housekeeping", "runtime", "pod_pool")},
         "runtime_groups": runtime_groups,
-        "cpulists": {
-            "online": format_cpulist(online),
-            "housekeeping": format_cpulist(housekeeping),
-            "runtime": format_cpulist(runtime),
-            "pod_pool": format_cpulist(pod_pool),
-            "isolated": format_cpulist(isolated),
-        },
-        "kernel_args": _kernel_args(policy, isolated, housekeeping),
-        "kubelet": {
-            # Runtime CPUs are reserved too, so kubelet never hands one to a pod.
-            "reservedSystemCPUs": format_cpulist(sorted(set(housekeeping) | set(runtime))),
-            "podPoolCPUs": format_cpulist(pod_pool),
-        },
-        "irqbalance_banned_cpus": format_cpulist(not_housekeeping),
-        "irqbalance_banned_cpus_mask": format_cpumask(not_housekeeping)
-        if not_housekeeping
-        else "0",
-        "irq_default_affinity_mask": format_cpumask(housekeeping),
-        "systemd_cpu_affinity": format_cpulist(housekeeping),
-        "tuned": {"isolated_cores": format_cpulist(isolated)},
         "numa_nodes": [
-            {
-                "id": node["id"],
-                "memory_node": memory_node_of[node["id"]],
-                "housekeeping": sorted(set(node["cpus"]) & set(housekeeping)),
-                "runtime_groups": [
-                    g["name"] for g in runtime_groups if g["numa_node"] == node["id"]
-                ],
-                "pod_pool": sorted(set(node["cpus"]) & set(pod_pool)),
-            }
+            {"id": node["id"], "memory_node": memory_node_of[node["id"]], "cpus": node["cpus"]}
             for node in topology["numa_nodes"]
             if node["cpus"]
         ],
         "warnings": warnings,
     }
+    return expand_plan(record)
 
 
 def memory_node_of_topology(topology, node_id):

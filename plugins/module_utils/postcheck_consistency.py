@@ -1,45 +1,30 @@
 """The post-check's consistency step: the kernel, kubelet and units a host runs against its plan.
 
-:func:`consistency_checks` compares what the post-check read on the host (the boot state,
-the kubelet drop-in, ``systemctl show`` per unit and ``rtfleet-drift --check --json``) with
-the plan record, one named check per line of the result's ``consistency`` list; the gate
-(``postcheck_gate.py``) fails the host on any that is not ``ok``.
+:func:`consistency_checks` turns what the post-check read on the host -- the boot state and
+``rtfleet-drift --check --json``, the drift guard's document -- into one named line per check
+of the result's ``consistency`` list; the gate (``postcheck_gate.py``) fails the host on any
+that is not ``ok``. The comparisons with the plan are the drift guard's (drift_units.py:
+``units``, ``unit_threads``, ``kubelet``), the one checker of a host against its plan, which
+the testinfra suite runs too; this module only words them for the report.
 """
 
 from __future__ import annotations
 
 from .postcheck import PostcheckError
-from .cpulist import TopologyError, parse_cpulist
 
 
-def _systemctl_show(text):
-    """``systemctl show --property=...`` output (KEY=VALUE lines) -> dict."""
-    shown = {}
-    for line in str(text or "").splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            shown[key.strip()] = value.strip()
-    return shown
-
-
-def _cpus(text):
-    try:
-        return parse_cpulist(str(text or "").strip())
-    except TopologyError:
-        return None
-
-
-def _planned_groups(plan, units_shown):
-    """The plan's runtime groups, with one ``systemctl show`` output for each."""
+def _planned_groups(plan):
     if not isinstance(plan, dict) or not isinstance(plan.get("runtime_groups"), list):
         raise PostcheckError("consistency: the plan has no runtime_groups list")
-    groups = plan["runtime_groups"]
-    if not isinstance(units_shown, list) or len(units_shown) != len(groups):
-        raise PostcheckError(
-            "consistency: %s systemctl show outputs for %d runtime groups"
-            % (len(units_shown) if isinstance(units_shown, list) else "no", len(groups))
-        )
-    return groups
+    return plan["runtime_groups"]
+
+
+def _drift_checks(drift):
+    """The drift document's checks; PostcheckError when it is not one."""
+    checks = drift.get("checks") if isinstance(drift, dict) else None
+    if not isinstance(checks, dict):
+        raise PostcheckError("consistency: no rtfleet-drift --check --json document to read")
+    return {k: v for k, v in checks.items() if isinstance(v, dict)}
 
 
 def _boot_check(boot):
@@ -52,47 +37,41 @@ def _boot_check(boot):
     }
 
 
-def _kubelet_check(plan, kubelet_config, kubelet_dropin):
-    reserved = (kubelet_config or {}).get("reservedSystemCPUs")
-    planned = (plan.get("kubelet") or {}).get("reservedSystemCPUs")
-    if reserved is None:
+def _kubelet_check(kubelet, kubelet_dropin):
+    check = "kubelet reservedSystemCPUs = plan"
+    status = kubelet.get("status")
+    details = "; ".join(str(d) for d in kubelet.get("details") or [])
+    if status == "skipped":
+        return {"check": check, "ok": True, "detail": "skipped: " + details}
+    if "reserved" not in kubelet:
         return {
-            "check": "kubelet reservedSystemCPUs = plan",
-            "ok": True,
-            "detail": "skipped: no %s (kubelet role not run, or main-config mode)" % kubelet_dropin,
+            "check": check,
+            "ok": False,
+            "detail": details or "the drift guard did not read %s" % kubelet_dropin,
         }
     return {
-        "check": "kubelet reservedSystemCPUs = plan",
-        "ok": _cpus(reserved) is not None and _cpus(reserved) == _cpus(planned),
-        "detail": "kubelet %s, plan %s" % (reserved, planned),
+        "check": check,
+        "ok": status == "ok",
+        "detail": "kubelet %s, plan %s" % (kubelet.get("reserved"), kubelet.get("planned")),
     }
 
 
-def _unit_threads(drift):
-    """The drift document's ``unit_threads`` check: per unit, its threads and those outside."""
-    try:
-        return drift["checks"]["unit_threads"].get("units") or {}
-    except (TypeError, KeyError, AttributeError):
-        return {}
-
-
-def _unit_check(group, shown):
-    """The unit's CPUAffinity and NUMA binding as systemd shows them, against its group."""
+def _unit_check(group, seen, why_missing):
+    """The drift guard's view of one unit (what systemd showed, and what is off)."""
     node = group.get("memory_node", group.get("numa_node"))
-    active = shown.get("ActiveState", "")
+    check = "shminfer@%s CPUAffinity/NUMA = plan" % group["name"]
+    if not isinstance(seen, dict):
+        return {"check": check, "ok": False, "detail": why_missing}
     return {
-        "check": "shminfer@%s CPUAffinity/NUMA = plan" % group["name"],
-        "ok": active == "active"
-        and _cpus(shown.get("CPUAffinity")) == list(group["cpus"])
-        and shown.get("NUMAPolicy") == "bind"
-        and _cpus(shown.get("NUMAMask")) == [node],
+        "check": check,
+        "ok": seen.get("active") == "active" and not seen.get("problems"),
         "detail": "%s, CPUAffinity %s (plan %s), NUMA %s:%s (plan bind:%s)"
         % (
-            active,
-            shown.get("CPUAffinity", ""),
+            seen.get("active", ""),
+            seen.get("cpu_affinity", ""),
             group["cpulist"],
-            shown.get("NUMAPolicy", ""),
-            shown.get("NUMAMask", ""),
+            seen.get("numa_policy", ""),
+            seen.get("numa_mask", ""),
             node,
         ),
     }
@@ -100,7 +79,7 @@ def _unit_check(group, shown):
 
 def _threads_check(group, contained):
     """Every thread of the unit allowed on, and last run on, its group's CPUs."""
-    contained = contained or {"threads": 0, "outside": []}
+    contained = contained if isinstance(contained, dict) else {"threads": 0, "outside": []}
     outside = contained.get("outside") or []
     detail = "%s threads of %s processes" % (
         contained.get("threads", 0),
@@ -124,30 +103,33 @@ def _threads_check(group, contained):
 def consistency_checks(plan, observed):
     """Kernel, kubelet and units against the plan: ``[{"check", "ok", "detail"}, ...]``.
 
-    ``plan``: /etc/rtfleet/plan.json. ``observed`` holds what the post-check read on the
-    host: ``boot``, rtfleet.fleet.boot_state's result with the host record as ``wanted``
-    (its ``mismatches`` and ``running``); ``kubelet``, the parsed rtfleet drop-in, or ``{}``
-    when there is none, and ``kubelet_dropin``, its path; ``units``, one ``systemctl show
-    --property=CPUAffinity,NUMAPolicy,NUMAMask,MainPID,ActiveState`` output per runtime
-    group, in the plan's order; ``drift``, ``rtfleet-drift --check --json``'s document,
-    whose ``unit_threads`` check says where every thread of every unit may run and last ran
+    ``plan``: the plan record as read_plan reads it. ``observed`` holds what the post-check
+    read on the host: ``boot``, rtfleet.fleet.boot_state's result with the host record as
+    ``wanted`` (its ``mismatches`` and ``running``); ``drift``, ``rtfleet-drift --check
+    --json``'s document, whose ``kubelet`` check compares the drop-in (``kubelet_dropin``,
+    its path) with the plan, ``units`` each unit's CPUAffinity and NUMA binding as systemd
+    shows them, and ``unit_threads`` where every thread of every unit may run and last ran
     (the field reports' "engine threads outside the pinned range").
     """
     observed = observed if isinstance(observed, dict) else {}
-    units_shown = observed.get("units")
-    groups = _planned_groups(plan, units_shown)
+    groups = _planned_groups(plan)
+    checks = _drift_checks(observed.get("drift"))
+    dropin = observed.get("kubelet_dropin", "the kubelet drop-in")
+    units_check = checks.get("units", {})
+    units = units_check.get("units") if isinstance(units_check.get("units"), dict) else {}
+    why_missing = "the drift guard showed nothing of it (%s)" % (
+        "; ".join(str(d) for d in units_check.get("details") or []) or "no units check"
+    )
+    threads_check = checks.get("unit_threads", {})
+    threads = threads_check.get("units") if isinstance(threads_check.get("units"), dict) else {}
     out = [
         _boot_check(observed.get("boot")),
-        _kubelet_check(
-            plan,
-            observed.get("kubelet"),
-            observed.get("kubelet_dropin", "the kubelet drop-in"),
-        ),
+        _kubelet_check(checks.get("kubelet", {}), dropin),
     ]
-    units = _unit_threads(observed.get("drift"))
-    for group, text in zip(groups, units_shown):
-        out.append(_unit_check(group, _systemctl_show(text)))
-        out.append(_threads_check(group, units.get("shminfer@%s.service" % group["name"])))
+    for group in groups:
+        unit = "shminfer@%s.service" % group["name"]
+        out.append(_unit_check(group, units.get(unit), why_missing))
+        out.append(_threads_check(group, threads.get(unit)))
     return out
 
 

@@ -47,7 +47,7 @@ export ANSIBLE_COLLECTIONS_SCAN_SYS_PATH=false
 # Its dependencies (galaxy.yml) as `ansible-galaxy collection install` would put them there,
 # from the `ansible` package's copies: this machine cannot reach Galaxy.
 site=$("$bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for dep in community/general kubernetes/core; do
+for dep in ansible/posix community/general kubernetes/core; do
     mkdir -p "collections/ansible_collections/${dep%/*}"
     cp -a "$site/ansible_collections/$dep" "collections/ansible_collections/$dep"
 done

@@ -31,28 +31,33 @@ if COLLECTION.parents[1].name == "ansible_collections":
 
 from rtfleet_infra import read_files  # noqa: E402
 
+from ansible_collections.rtfleet.fleet.plugins.module_utils.plan_record import (  # noqa: E402
+    parse_plan,
+)
+
 PLAN_PATH = "/etc/rtfleet/plan.json"
 HOST_PATH = "/etc/rtfleet/host.json"
 
 
-def _read_json(host, path):
+def _read(host, path):
     content = read_files(host, PLAN_PATH, HOST_PATH)[path]
     if content is None:
         name = host.backend.hostname
         pytest.fail("%s has no %s: the rtfleet_host role has not completed on it" % (name, path))
-    return json.loads(content)
+    return content
 
 
 @pytest.fixture
 def rtfleet_plan(host):
-    """The CPU partition plan the host role applied on this host."""
-    return _read_json(host, PLAN_PATH)
+    """The CPU partition plan the host role applied on this host: its record, read as every
+    reader reads it (the sets it stores and the forms derived from them)."""
+    return parse_plan(_read(host, PLAN_PATH))
 
 
 @pytest.fixture
 def rtfleet_host_config(host):
     """What the host role configured: kernel, kernel args, sysctls, IRQ mode, hugepages."""
-    return _read_json(host, HOST_PATH)
+    return json.loads(_read(host, HOST_PATH))
 
 
 def pytest_configure(config):

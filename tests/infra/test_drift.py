@@ -13,47 +13,17 @@ so one that appeared after boot is the same case; the unit tests have one).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from rtfleet_infra import GUARD, drift_guard
 
 from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import (
     format_cpulist,
     parse_cpulist,
 )
 
-GUARD = "/usr/local/sbin/rtfleet-drift"
 DRILL = os.environ.get("RTFLEET_DRIFT_DRILL") == "1"
-# Every ssh round trip costs seconds on a TCG guest: each step below is one shell script.
-# The guard as its timer runs it (the role's textfile dir and drop-in), its JSON, then \036
-# and the textfile.
-_ARGV = (
-    "argv=$(systemctl show -P ExecStart rtfleet-drift.service"
-    " | sed -n 's/.*argv\\[\\]=\\([^;]*\\);.*/\\1/p')"
-)
-_GUARD = (
-    _ARGV + "; err=$(mktemp); $argv --json %(args)s 2>$err; rc=$?; printf '\\037%%s\\n' $rc; "
-    "cat $err; rm -f $err; printf '\\036'; "
-    'dir=$(echo $argv | sed -n "s/.*--textfile-dir \\([^ ]*\\).*/\\1/p"); '
-    'cat "$dir/rtfleet_drift.prom" 2>/dev/null'
-)
-
-
-def _guard(host, args="", before=""):
-    """(exit code, result, stderr, textfile metrics) of one guard run, after ``before``."""
-    run = host.run(before + _GUARD % {"args": args})
-    out, _, textfile = run.stdout.partition("\036")
-    result, _, tail = out.partition("\037")
-    code, _, log = tail.partition("\n")
-    assert code.strip() in ("0", "1"), "rtfleet-drift exit %s: %s %s" % (code, log, run.stderr)
-    metrics = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(textfile)
-        for sample in family.samples
-    }
-    return int(code), json.loads(result), log, metrics
 
 
 def _drifted(result):
@@ -73,7 +43,7 @@ def test_drift_timer_is_enabled_and_waiting(host):
 
 
 def test_no_drift_after_the_rollout(host):
-    rc, result, _, _ = _guard(host, "--check")
+    rc, result, _, _ = drift_guard(host, "--check")
     assert rc == 0 and not _drifted(result), _details(result)
     assert result["checks"]["unit_threads"]["status"] in ("ok", "skipped")
 
@@ -108,7 +78,7 @@ def test_drift_is_detected_irqs_repinned_and_the_textfile_updated(
     # The recorded value is the running one: the first guard run below finds no drift.
     swappiness = int(rtfleet_host_config["sysctls"][sysctl])
     # No timer run in the middle of the drill; a repairing run first, so the textfile exists.
-    rc, before, _, metrics = _guard(host, before="systemctl stop rtfleet-drift.timer; ")
+    rc, before, _, metrics = drift_guard(host, before="systemctl stop rtfleet-drift.timer; ")
     try:
         assert rc == 0, _details(before)
         cause = _CAUSE % {
@@ -126,7 +96,7 @@ def test_drift_is_detected_irqs_repinned_and_the_textfile_updated(
         assert "sysctl" in did, "%s could not be set: %s" % (sysctl, run.stderr)
         assert "irqbalance" in did, "irqbalance could not be started: %s" % run.stderr
         moved = int(did["moved"])
-        rc, found, log, after = _guard(host)
+        rc, found, log, after = drift_guard(host)
         assert rc == 1
         assert _drifted(found) == ["irqbalance", "sysctls"], found["checks"]
         irqs = found["checks"]["irqs"]
@@ -147,7 +117,7 @@ def test_drift_is_detected_irqs_repinned_and_the_textfile_updated(
         if "irqbalance" in locals().get("did", {}):
             restore += "systemctl stop irqbalance.service; "
         restore += "%s >/dev/null 2>&1; systemctl start rtfleet-drift.timer; " % GUARD
-        rc, clean, _, metrics = _guard(host, "--check", before=restore)
+        rc, clean, _, metrics = drift_guard(host, "--check", before=restore)
     assert rc == 0 and not _drifted(clean), _details(clean)
     assert not [k for k, v in metrics.items() if k[0] == "rtfleet_drift" and v]
     state = host.run(

@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-from rtfleet_infra import read_files
-from test_drift import REPINNED, STAMP, _drifted, _guard
+from rtfleet_infra import drift_guard, read_files
+from test_drift import REPINNED, STAMP, _drifted
 
 from ansible_collections.rtfleet.fleet.plugins.module_utils import boot, drift, topology
 
@@ -78,7 +78,7 @@ def test_read_files_reads_a_batch_in_one_round_trip(tmp_path):
 
 def test_the_drift_guards_output_and_textfile_come_apart():
     # What rtfleet-drift prints and writes after re-pinning IRQs and finding a sysctl off,
-    # rendered by the guard's own code, as _guard's one ssh round trip returns them.
+    # rendered by the guard's own code, as drift_guard's one ssh round trip returns them.
     checks = {name: {"status": "ok", "details": []} for name in drift.CHECKS}
     checks["sysctls"] = {"status": "drift", "details": ["vm.swappiness is 60, wanted 10"]}
     checks["irqs"] = {
@@ -93,7 +93,7 @@ def test_the_drift_guards_output_and_textfile_come_apart():
         json.dumps(result),
         drift.render_textfile(result),
     )
-    rc, found, log, metrics = _guard(_Local(stdout))
+    rc, found, log, metrics = drift_guard(_Local(stdout))
     assert (rc, found, log) == (1, result, "re-pinned IRQ 24\n")
     assert _drifted(found) == ["sysctls"]
     assert metrics[STAMP] == 1700000000.5

@@ -1,11 +1,13 @@
 """After rollout: one healthy shminfer unit per runtime group, pinned and NUMA-bound as planned.
 
-Read back from the running processes, not from the unit files: every process in a unit's
-cgroup may run only on its group's CPUs (/proc/PID/status Cpus_allowed_list), each worker
-on exactly one of them; its memory policy is bind to the group's node and its own memory
-(heap, stacks, its queues in /dev/shm) sits on that node (/proc/PID/numa_maps); and it
-holds no capability and runs sandboxed (Type=notify with a watchdog, private /dev, a
-system call filter) in rtfleet.slice, confined to its group's CPUs.
+Read back from the running processes, not from the unit files: the drift guard's checks
+(rtfleet-drift --check, the one checker of a host against its plan) find each unit pinned
+and bound as planned and every thread of its cgroup on its group's CPUs; each worker runs
+on exactly one of them (/proc/PID/status Cpus_allowed_list); its memory policy is bind to
+the group's node and its own memory (heap, stacks, its queues in /dev/shm) sits on that
+node (/proc/PID/numa_maps); and it holds no capability and runs sandboxed (Type=notify
+with a watchdog, private /dev, a system call filter) in rtfleet.slice, confined to its
+group's CPUs.
 Each unit answers `shminfer probe`. Run with --sudo (numa_maps of another user's process).
 """
 
@@ -15,7 +17,7 @@ import json
 import re
 
 import pytest
-from rtfleet_infra import read_files
+from rtfleet_infra import drift_guard, read_files
 
 from ansible_collections.rtfleet.fleet.plugins.module_utils.cpulist import parse_cpulist
 
@@ -63,20 +65,26 @@ def test_one_active_enabled_unit_per_runtime_group(host, rtfleet_plan):
     assert not extra, "units not in the plan are still active: %s" % sorted(extra)
 
 
-def test_unit_processes_run_on_their_group_cpus_only(host, rtfleet_plan):
+def test_units_and_every_thread_are_where_the_plan_says(host, rtfleet_plan):
+    # The drift guard's checks, the one checker of a host against its plan (the post-check's
+    # consistency lines are its words): each unit active with the group's CPUAffinity and
+    # its memory bound to the group's node, and every thread of every process in its cgroup
+    # allowed only on, and last run on, the group's CPUs.
+    _groups(rtfleet_plan)
+    _rc, result, log, _ = drift_guard(host, "--check")
+    for name in ("units", "unit_threads"):
+        check = result["checks"][name]
+        assert check["status"] == "ok", "%s: %s %s" % (name, check["details"], log)
+
+
+def test_every_worker_cpu_has_a_process_pinned_to_it_alone(host, rtfleet_plan):
     for group in _groups(rtfleet_plan):
         unit = "shminfer@%s.service" % group["name"]
         procs = _processes(host, unit)
         assert procs, "%s has no processes" % unit
-        allowed = {p["pid"]: set(parse_cpulist(p["status"]["Cpus_allowed_list"])) for p in procs}
-        outside = {pid: sorted(cpus) for pid, cpus in allowed.items() if cpus - set(group["cpus"])}
-        assert not outside, "%s: processes allowed outside %s: %s" % (
-            unit,
-            group["cpulist"],
-            outside,
-        )
+        allowed = [set(parse_cpulist(p["status"]["Cpus_allowed_list"])) for p in procs]
         # shminfer pins one worker per CPU: every worker CPU has a process pinned to it alone.
-        pinned = {min(cpus) for cpus in allowed.values() if len(cpus) == 1}
+        pinned = {min(cpus) for cpus in allowed if len(cpus) == 1}
         assert pinned >= set(group["worker_cpus"]), "%s: workers pinned to %s, plan %s" % (
             unit,
             sorted(pinned),

@@ -171,3 +171,41 @@ def test_a_wheel_that_is_not_a_zip_is_refused(tmp_path, sources):
     (sources / "bad-1.0-py3-none-any.whl").write_bytes(b"not a zip")
     with pytest.raises(BundleError, match="is not a wheel"):
         write_bundle(tmp_path / "bundle.tar", _specs(sources, "bad-1.0-py3-none-any.whl"))
+
+
+def test_space_checks_one_filesystem_needs_room_for_both_and_two_each_their_own():
+    from rtfleet.bundle import MIB, space_checks
+
+    df = ["Filesystem Avail", "/dev/vda1 %d" % (100 * MIB), "/dev/vda1 %d" % (100 * MIB)]
+    (both,) = space_checks(df, 20 * MIB, 30 * MIB + 1, 16)
+    assert both == {
+        "fs": "/dev/vda1",
+        "free": 100 * MIB,
+        "need": 66 * MIB + 1,
+        "free_mib": 100,
+        "need_mib": 67,
+        "what": "20 MiB bundle, 31 MiB installed",
+    }
+    df[2] = "/dev/vdb1 %d" % (40 * MIB)
+    var, opt = space_checks(df, 20 * MIB, 30 * MIB, 16)
+    assert (var["fs"], var["need_mib"], var["what"]) == ("/dev/vda1", 36, "20 MiB bundle")
+    assert (opt["fs"], opt["need_mib"], opt["what"]) == ("/dev/vdb1", 46, "30 MiB installed")
+    assert opt["free"] < opt["need"]
+
+
+@pytest.mark.parametrize(
+    "df",
+    [
+        [],
+        ["Filesystem Avail"],
+        ["h", "/dev/x 12"],
+        ["h", "/dev/x -", "/dev/x 1"],
+        ["h", "a b c", "d"],
+    ],
+)
+def test_space_checks_refuse_output_that_is_not_dfs_in_one_line(df):
+    from rtfleet.bundle import space_checks
+
+    with pytest.raises(BundleError, match="df printed") as caught:
+        space_checks(df, 1, 1, 1)
+    assert "\n" not in str(caught.value)

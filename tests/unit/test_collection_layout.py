@@ -133,6 +133,7 @@ LINKS = {
     "src/rtfleet/postcheck_consistency.py": "plugins/module_utils/postcheck_consistency.py",
     "src/rtfleet/postcheck_gate.py": "plugins/module_utils/postcheck_gate.py",
     "src/rtfleet/postcheck_parse.py": "plugins/module_utils/postcheck_parse.py",
+    "src/rtfleet/postcheck_result.py": "plugins/module_utils/postcheck_result.py",
     "src/rtfleet/report.py": "plugins/module_utils/report.py",
     "src/rtfleet/report_containers.py": "plugins/module_utils/report_containers.py",
     "src/rtfleet/report_doc.py": "plugins/module_utils/report_doc.py",
@@ -241,3 +242,104 @@ def test_other_roles_use_only_what_read_plan_sets_of_the_host_role():
                 used.setdefault(name, set()).add(str(path.relative_to(REPO)))
     assert {n: p for n, p in used.items() if n not in FROM_READ_PLAN} == {}
     assert "rtfleet_host_plan" in used
+
+
+def test_the_plan_record_is_written_as_a_record_and_read_by_read_plan_only():
+    """One writer (the host role's record task, each CPU set once) and one reader
+    (rtfleet_host's read_plan) of /etc/rtfleet/plan.json in the roles and playbooks."""
+    writers, readers = [], []
+    for path in _files(".yml"):
+        if path.parts[len(REPO.parts)] == "molecule":
+            continue  # scenarios prepare and verify hosts their own way
+        text = path.read_text()
+        rel = str(path.relative_to(REPO))
+        if re.search(r"dest:\s*/etc/rtfleet/plan\.json", text):
+            writers.append(rel)
+            assert "rtfleet.fleet.plan_to_record" in text, rel
+        if re.search(r"rtfleet\.fleet\.plan_record\b|plan\.json.*from_json", text):
+            readers.append(rel)
+    assert writers == ["roles/rtfleet_host/tasks/record.yml"]
+    assert readers == ["roles/rtfleet_host/tasks/read_plan.yml"]
+
+
+def test_one_checker_of_a_host_against_its_plan():
+    """kubelet's reserved CPUs and each unit's pinning are compared with the plan by the
+    drift guard only: the post-check words its document, the testinfra suite runs it."""
+    consistency = (REPO / "plugins/module_utils/postcheck_consistency.py").read_text()
+    for compare in ("parse_cpulist", "systemd_cpus", 'reservedSystemCPUs")', 'CPUAffinity")'):
+        assert compare not in consistency, compare
+    role = (REPO / "roles/rtfleet_postcheck/tasks/consistency.yml").read_text()
+    assert "rtfleet-drift, --check, --json" in role
+    assert "systemctl" not in role and "slurp" not in role
+    runtime = (REPO / "tests/infra/test_runtime.py").read_text()
+    assert "drift_guard(host" in runtime and 'Cpus_allowed_list"]) for' not in runtime
+
+
+# A value that only puts one variable (an attribute, an item, a plain default) into a string
+# is not a program; anything else that is templated counts with all its lines.
+_REFERENCE = re.compile(
+    r"^[^{}]*\{\{\s*[\w.\[\]'\"]+(\s*\|\s*(default\([^()]*\)|list|int|bool|trim|string))*\s*\}\}"
+    r"[^{}]*$"
+)
+_MODULES = ("ansible.builtin.command:", "ansible.builtin.shell:", "ansible.builtin.raw:")
+
+
+def _jinja_lines(value):
+    if isinstance(value, str):
+        if "{{" not in value and "{%" not in value:
+            return 0
+        return 0 if _REFERENCE.match(value.strip()) else value.strip().count("\n") + 1
+    if isinstance(value, dict):
+        return sum(_jinja_lines(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_jinja_lines(v) for v in value)
+    return 0
+
+
+def _tasks(items):
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        nested = [
+            k for k in ("block", "rescue", "always", "tasks", "pre_tasks", "handlers") if k in item
+        ]
+        for key in nested:
+            yield from _tasks(item[key])
+        if not nested:
+            yield item
+
+
+def _task_files():
+    return sorted([*REPO.glob("roles/*/tasks/*.yml"), *REPO.glob("playbooks/*.yml")])
+
+
+def test_no_task_holds_a_program_in_jinja():
+    """More than 10 lines of Jinja in one task is a program: it belongs in a tested filter.
+    (The samplers playbook's image build is a shell script: #28 moves it into a role.)"""
+    heavy = {}
+    for path in _task_files():
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            lines = _jinja_lines(task)
+            if lines > 10:
+                heavy["%s: %s" % (path.relative_to(REPO), task.get("name"))] = lines
+    assert heavy == {
+        "playbooks/samplers.yml: Build the sampler image from the base and the runtime's "
+        "wheels (once per bundle)": 26
+    }
+
+
+def test_every_command_task_says_why_no_module_does_it():
+    bare = []
+    for path in _task_files():
+        lines = path.read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if re.match(r"^\s*- name:", line)]
+        for n, start in enumerate(starts):
+            body = lines[start : starts[n + 1] if n + 1 < len(starts) else len(lines)]
+            if not any(line.strip().startswith(_MODULES) for line in body):
+                continue
+            while body and (not body[-1].strip() or body[-1].strip().startswith("#")):
+                body.pop()  # the next task's comment
+            above = start > 0 and lines[start - 1].strip().startswith("#")
+            if not above and not any(line.strip().startswith("#") for line in body):
+                bare.append("%s:%d" % (path.relative_to(REPO), start + 1))
+    assert bare == []

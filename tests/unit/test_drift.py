@@ -25,6 +25,7 @@ from test_host_tune import kernel_bitmap_parse, kernel_bitmap_parselist
 from rtfleet import drift, drift_units, hosttune
 from rtfleet.boot import compose_kernel_args, hugepage_runtime_settings, isolation_expected
 from rtfleet.cpulist import format_cpulist, format_cpumask, parse_cpulist
+from rtfleet.plan_record import to_record
 from rtfleet.planner import plan_partition
 from rtfleet.topology import read_topology
 
@@ -116,7 +117,7 @@ class Host:
         return path
 
     def write_records(self):
-        self.put("etc/rtfleet/plan.json", json.dumps(self.plan, indent=2))
+        self.put("etc/rtfleet/plan.json", json.dumps(to_record(self.plan), indent=2))
         self.put("etc/rtfleet/host.json", json.dumps(self.record, indent=2))
         self.put("etc/rtfleet/tune.json", json.dumps(self.tune, indent=2))
 
@@ -632,3 +633,29 @@ def test_a_host_without_the_runtime_role_skips_the_unit_checks(big, capsys):
     statuses = _statuses(_result(capsys))
     assert statuses["units"] == statuses["unit_threads"] == statuses["kubelet"] == "skipped"
     assert (big.root / "srv/textfiles/rtfleet_drift.prom").exists()
+
+
+@pytest.mark.parametrize("shape", ["xeon-2s-smt", "epyc-9354-2s-nps4-cxl"])
+def test_units_check_reads_systemctls_cpusets_and_says_what_it_saw(trees, shape):
+    # systemctl show prints a cpuset space-separated ("1-39 81-119"): an SMT host's group.
+    plan = plan_partition(read_topology(str(trees(shape))))
+    shown = {
+        drift_units.unit_name(g): {
+            "ActiveState": "active",
+            "CPUAffinity": format_cpulist(g["cpus"]).replace(",", " "),
+            "NUMAPolicy": "bind",
+            "NUMAMask": str(g["memory_node"]),
+        }
+        for g in plan["runtime_groups"]
+    }
+    ok = drift_units.check_units(plan, shown, True)
+    assert ok["status"] == "ok", ok["details"]
+    first = drift_units.unit_name(plan["runtime_groups"][0])
+    assert ok["units"][first]["cpu_affinity"] == shown[first]["CPUAffinity"]
+    assert ok["units"][first]["problems"] == []
+    # Output systemd would never print, read as drift of that unit only (never a crash).
+    for junk in ("not-a-list", "0-", "\x00\x01", "99999999999"):
+        shown[first]["CPUAffinity"] = junk
+        bad = drift_units.check_units(plan, shown, True)
+        assert bad["status"] == "drift"
+        assert [u for u, seen in bad["units"].items() if seen["problems"]] == [first]

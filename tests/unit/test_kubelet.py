@@ -22,6 +22,7 @@ import yaml
 from conftest import REPO
 
 from rtfleet import kubelet, kubelet_state, kubelet_validate, kubelet_values
+from rtfleet.plan_record import to_record
 from rtfleet.planner import plan_partition
 from rtfleet.topology import read_topology
 
@@ -525,7 +526,9 @@ def _run_role(tmp_path, root, *args, plan=True, tasks_from=None, **role_vars):
         # The host role's record (rtfleet_host's one plan task, or `rtfleet plan`).
         plan_file.parent.mkdir(parents=True, exist_ok=True)
         policy = {"runtime_l3_groups": 8}
-        plan_file.write_text(json.dumps(plan_partition(read_topology(str(root)), policy)))
+        plan_file.write_text(
+            json.dumps(to_record(plan_partition(read_topology(str(root)), policy)))
+        )
     role_vars = {
         "rtfleet_host_plan_file": str(plan_file),
         "rtfleet_kubelet_sysfs_root": str(root),

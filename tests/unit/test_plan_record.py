@@ -1,21 +1,31 @@
 """The plan record's one check (module_utils/plan_record), shared by the roles' read_plan
 (through the plan_record filter) and the drift guard on the host.
 
-Every plan the planner makes for the captured and generated server shapes passes it; a record
-of a schema this collection does not read, or with a malformed CPU set or runtime group, is
-refused in one line that names what is wrong, by the filter and by rtfleet-drift alike.
+The record of every plan the planner makes for the captured and generated server shapes
+stores each CPU set once and reads back as that plan; a schema-1 record (written by the
+previous release, tests/fixtures/plan-schema1) reads as the plan today's planner makes; a
+record of a schema this collection does not read, or with a malformed CPU set, node or
+runtime group, is refused in one line that names what is wrong, by the filter and by
+rtfleet-drift alike.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_local_playbook
 
 from rtfleet import drift
-from rtfleet.plan_record import READABLE_SCHEMAS, SCHEMA_VERSION, PlanRecordError, parse_plan
+from rtfleet.plan_record import (
+    READABLE_SCHEMAS,
+    SCHEMA_VERSION,
+    PlanRecordError,
+    parse_plan,
+    to_record,
+)
 from rtfleet.planner import plan_partition
 from rtfleet.topology import read_topology
 
@@ -39,12 +49,72 @@ def test_every_plan_the_planner_makes_is_a_record_the_readers_take(trees, shape)
     policy = {"allow_deceptive_topology": True} if shape.startswith("vmware") else {}
     plan = plan_partition(read_topology(str(trees(shape))), policy)
     assert plan["schema"] == SCHEMA_VERSION in READABLE_SCHEMAS
+    record = json.dumps(to_record(plan))
+    assert parse_plan(record) == plan
+    assert _filter()(record, "/etc/rtfleet/plan.json") == {"plan": plan, "error": ""}
+    # A reader given the whole plan (not only the record) reads the same plan.
     assert parse_plan(json.dumps(plan)) == plan
-    assert _filter()(json.dumps(plan), "/etc/rtfleet/plan.json") == {"plan": plan, "error": ""}
+
+
+def _cpu_sets(value, where=""):
+    """Every CPU set a record holds, as (where, sorted CPUs): lists of CPU numbers and
+    cpulist/mask strings alike."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _cpu_sets(item, "%s.%s" % (where, key))
+    elif isinstance(value, list) and value and all(isinstance(c, int) for c in value):
+        yield where, sorted(value)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _cpu_sets(item, "%s[%d]" % (where, i))
+    elif isinstance(value, str) and re.match(r"^[0-9][0-9a-f,-]*$", value):
+        yield where, value
+
+
+def test_the_record_stores_each_cpu_set_once(trees):
+    plan = plan_partition(
+        read_topology(str(trees("xeon-2s-smt"))), {"runtime_threads": "one_thread_per_core"}
+    )
+    record = to_record(plan)
+    found = list(_cpu_sets({k: v for k, v in record.items() if k != "policy"}))
+    # No cpulist or mask strings: only lists of CPU numbers, each stored once (a group's
+    # worker_cpus is its own set: one thread per core).
+    assert [w for w, cpus in found if isinstance(cpus, str)] == []
+    assert {w for w, _ in found} >= {".online", ".housekeeping", ".runtime"}
+    seen = {}
+    for where, cpus in found:
+        assert tuple(cpus) not in seen or len(cpus) == 1, (where, seen.get(tuple(cpus)))
+        seen[tuple(cpus)] = where
+    for gone in ("isolated", "cpulists", "kernel_args", "kubelet", "tuned", "systemd_cpu_affinity"):
+        assert gone not in record
+    assert not {"cpulist", "systemd"} & set(record["runtime_groups"][0])
+    assert all(len(g["worker_cpus"]) * 2 == len(g["cpus"]) for g in record["runtime_groups"])
+    # All threads work: the record keeps the group's CPUs once, the plan derives the workers.
+    plan = plan_partition(read_topology(str(trees("xeon-2s-smt"))))
+    assert all("worker_cpus" not in g for g in to_record(plan)["runtime_groups"])
+    assert all(
+        g["worker_cpus"] == g["cpus"]
+        for g in parse_plan(json.dumps(to_record(plan)))["runtime_groups"]
+    )
+    assert set(record["numa_nodes"][0]) == {"id", "memory_node", "cpus"}
+
+
+SCHEMA1 = sorted((REPO / "tests/fixtures/plan-schema1").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SCHEMA1, ids=[p.stem for p in SCHEMA1])
+def test_a_schema_1_record_reads_as_the_plan_of_today(trees, path):
+    fixture = json.loads(path.read_text())
+    record = fixture["record"]
+    assert record["schema"] == 1 and "cpus" not in record["numa_nodes"][0]
+    today = plan_partition(read_topology(str(trees(fixture["shape"]))), fixture["policy"])
+    assert parse_plan(json.dumps(record)) == {**today, "schema": 1}
+    # What the host step writes on its next run is today's record.
+    assert to_record(parse_plan(json.dumps(record))) == to_record(today)
 
 
 def _edited(plan, edit):
-    doc = json.loads(json.dumps(plan))
+    doc = json.loads(json.dumps(to_record(plan)))
     edit(doc)
     return json.dumps(doc)
 
@@ -53,13 +123,21 @@ HOSTILE = [
     ("not json", lambda p: None, "not JSON"),
     ("[1, 2]", None, "not a JSON object"),
     ("null", None, "not a JSON object"),
-    (None, lambda p: p.update(schema=2), "plan schema 2 is not one this collection reads (1)"),
+    (None, lambda p: p.update(schema=3), "plan schema 3 is not one this collection reads (1, 2)"),
     (None, lambda p: p.pop("schema"), "plan schema null is not one"),
     (None, lambda p: p.update(schema="1"), 'plan schema "1" is not one'),
     (None, lambda p: p.update(schema=True), "plan schema true is not one"),
-    (None, lambda p: p.pop("isolated"), "no isolated in the plan record"),
+    (None, lambda p: p.pop("runtime"), "no runtime in the plan record"),
+    (None, lambda p: p.pop("numa_nodes"), "no numa_nodes in the plan record"),
     (None, lambda p: p.update(housekeeping="0-3"), "housekeeping is not a list of CPU numbers"),
-    (None, lambda p: p.update(isolated=[1, -2]), "isolated is not a list of CPU numbers"),
+    (None, lambda p: p.update(runtime=[1, -2]), "runtime is not a list of CPU numbers"),
+    (None, lambda p: p.update(policy=[]), "policy is not an object"),
+    (None, lambda p: p["policy"].update(isolate="runtime"), "policy isolate is not a list"),
+    (None, lambda p: p.update(warnings="x"), "warnings is not a list of strings"),
+    (None, lambda p: p.update(numa_nodes=[1]), "numa_nodes is not a list of nodes"),
+    (None, lambda p: p["numa_nodes"][0].pop("cpus"), "NUMA node 0: cpus is not a list of CPU"),
+    (None, lambda p: p["numa_nodes"][0].update(id="0"), "a NUMA node's id is not a number"),
+    (None, lambda p: p["numa_nodes"][0].update(memory_node=None), "memory_node is not a number"),
     (None, lambda p: p.update(online=[0, True]), "online is not a list of CPU numbers"),
     (None, lambda p: p.update(pod_pool=[1.5]), "pod_pool is not a list of CPU numbers"),
     (None, lambda p: p.update(runtime_groups={}), "runtime_groups is not a list"),
@@ -68,6 +146,9 @@ HOSTILE = [
     (None, lambda p: p["runtime_groups"][0].update(name="../x"), "'../x' is not [A-Za-z0-9_-]+"),
     (None, lambda p: p["runtime_groups"][0].update(name="a\nb"), "is not [A-Za-z0-9_-]+"),
     (None, lambda p: p["runtime_groups"][0].update(cpus="1-3"), "cpus is not a list of CPU"),
+    (None, lambda p: p["runtime_groups"][0].update(worker_cpus=0), "worker_cpus is not a list"),
+    (None, lambda p: p["runtime_groups"][0].update(numa_node=-1), "numa_node is not a number"),
+    (None, lambda p: p["runtime_groups"][0].update(sampler_cpus=[None]), "sampler_cpus is not"),
 ]
 
 
@@ -130,7 +211,7 @@ def _read_plan(tmp_path, plan_file, *args, before=None, required=True):
 
 def test_read_plan_keeps_the_record_or_this_runs_plan_in_check_mode(tmp_path, good):
     recorded = tmp_path / "plan.json"
-    recorded.write_text(json.dumps(good))
+    recorded.write_text(json.dumps(to_record(good)))
     assert _read_plan(tmp_path, recorded) == {"plan": good, "found": True}
     # Check mode after the host role computed the plan (it records nothing in check mode):
     # that plan, though no record exists.

@@ -403,13 +403,41 @@ def test_a_starved_thread_is_named_not_a_json_error():
 # --------------------------------------------------------------------------- consistency
 
 
-def _observed(boot, kubelet, units, drift, dropin):
+def _observed(boot, drift, dropin="/etc/kubernetes/x.conf"):
+    return {"boot": boot, "drift": drift, "kubelet_dropin": dropin}
+
+
+def _drift_document(tmp_path, plan, shown, reserved, threads=9):
+    """What rtfleet-drift --check --json says of the units and kubelet: the guard's own
+    checks (drift_units) run on ``shown`` (systemctl show per unit), a drop-in with
+    ``reserved`` (None: no drop-in) and each unit's threads as /proc would list them."""
+    from rtfleet.drift_units import check_kubelet, check_units
+
+    dropin = "etc/kubernetes/x.conf"
+    if reserved is not None:
+        (tmp_path / dropin).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / dropin).write_text(json.dumps({"reservedSystemCPUs": reserved}))
+    units = {}
+    for group, text in zip(plan["runtime_groups"], shown):
+        units["shminfer@%s.service" % group["name"]] = dict(
+            line.split("=", 1) for line in text.splitlines() if "=" in line
+        )
     return {
-        "boot": boot,
-        "kubelet": kubelet,
-        "units": units,
-        "drift": drift,
-        "kubelet_dropin": dropin,
+        "checks": {
+            "units": check_units(plan, units, True),
+            "unit_threads": {
+                "status": "ok",
+                "units": {
+                    "shminfer@%s.service" % g["name"]: {
+                        "processes": 2,
+                        "threads": threads,
+                        "outside": [],
+                    }
+                    for g in plan["runtime_groups"]
+                },
+            },
+            "kubelet": check_kubelet(str(tmp_path), plan, "/" + dropin),
+        }
     }
 
 
@@ -419,57 +447,49 @@ def _consistency_inputs(trees, shape="epyc-9634-2s"):
     from rtfleet.topology import read_topology
 
     plan = plan_partition(read_topology(str(trees(shape))), {})
+    # systemctl prints a cpuset space-separated ("1-6 85-90").
     shown = [
         "CPUAffinity=%s\nNUMAPolicy=bind\nNUMAMask=%s\nMainPID=%d\nActiveState=active\n"
-        % (format_cpulist(g["cpus"]), g.get("memory_node", g["numa_node"]), 4000 + i)
+        % (
+            format_cpulist(g["cpus"]).replace(",", " "),
+            g.get("memory_node", g["numa_node"]),
+            4000 + i,
+        )
         for i, g in enumerate(plan["runtime_groups"])
     ]
-    drift = {
-        "checks": {
-            "unit_threads": {
-                "status": "ok",
-                "units": {
-                    "shminfer@%s.service" % g["name"]: {"processes": 2, "threads": 9, "outside": []}
-                    for g in plan["runtime_groups"]
-                },
-            }
-        }
-    }
     boot = {"mismatches": [], "running": {"release": "6.1.0-28-rt-amd64"}}
-    kubelet = {"reservedSystemCPUs": plan["kubelet"]["reservedSystemCPUs"]}
-    return plan, boot, kubelet, shown, drift
+    return plan, boot, plan["kubelet"]["reservedSystemCPUs"], shown
 
 
 @pytest.mark.parametrize(
-    "shape", ["epyc-9634-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0"]
+    "shape", ["epyc-9634-2s", "epyc-9354-2s-nps4-cxl", "xeon-2s-memoryless-node0", "xeon-2s-smt"]
 )
-def test_consistency_passes_when_kernel_kubelet_and_units_say_what_the_plan_says(trees, shape):
+def test_consistency_passes_when_kernel_kubelet_and_units_say_what_the_plan_says(
+    tmp_path, trees, shape
+):
     from rtfleet.postcheck_consistency import consistency_checks
 
-    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, shape)
+    plan, boot, reserved, shown = _consistency_inputs(trees, shape)
     assert len(plan["runtime_groups"]) >= 2  # server shapes: one unit per L3 group
-    checks = consistency_checks(
-        plan, _observed(boot, kubelet, shown, drift, "/etc/kubernetes/x.conf")
-    )
+    drift = _drift_document(tmp_path, plan, shown, reserved)
+    checks = consistency_checks(plan, _observed(boot, drift))
     assert len(checks) == 2 + 2 * len(plan["runtime_groups"])
     assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
 
 
-def test_consistency_names_each_disagreement(trees):
+def test_consistency_names_each_disagreement(tmp_path, trees):
     from rtfleet.postcheck_consistency import consistency_checks
 
-    plan, boot, kubelet, shown, drift = _consistency_inputs(trees)
+    plan, boot, _reserved, shown = _consistency_inputs(trees)
     first, last = plan["runtime_groups"][0], plan["runtime_groups"][-1]
     shown[0] = shown[0].replace("NUMAPolicy=bind", "NUMAPolicy=default")
     shown[-1] = shown[-1].replace("ActiveState=active", "ActiveState=failed")
+    drift = _drift_document(tmp_path, plan, shown, "0-3")
     drift["checks"]["unit_threads"]["units"]["shminfer@%s.service" % first["name"]]["outside"] = [
         {"comm": "ov-worker", "cpus_allowed": "0-191", "last_cpu": 0}
     ]
-    kubelet["reservedSystemCPUs"] = "0-3"
     boot["mismatches"] = ["cmdline lacks nohz_full=1-3"]
-    checks = consistency_checks(
-        plan, _observed(boot, kubelet, shown, drift, "/etc/kubernetes/x.conf")
-    )
+    checks = consistency_checks(plan, _observed(boot, drift))
     failed = {c["check"]: c["detail"] for c in checks if not c["ok"]}
     assert failed == {
         "running kernel and /proc/cmdline = host record": "cmdline lacks nohz_full=1-3",
@@ -489,46 +509,62 @@ def test_consistency_names_each_disagreement(trees):
     assert failed["shminfer@%s CPUAffinity/NUMA = plan" % last["name"]].startswith("failed,")
 
 
-def test_consistency_without_kubelet_dropin_or_threads_says_so(trees):
+def test_consistency_without_kubelet_dropin_or_threads_says_so(tmp_path, trees):
     from rtfleet.postcheck_consistency import consistency_checks
 
-    plan, boot, _kubelet, shown, _drift = _consistency_inputs(trees, "xeon-2s-smt")
-    checks = consistency_checks(
-        plan, _observed(boot, {}, shown, {"checks": {}}, "/etc/k/90-rtfleet.conf")
-    )
+    plan, boot, _reserved, shown = _consistency_inputs(trees, "xeon-2s-smt")
+    drift = _drift_document(tmp_path, plan, shown, None, threads=0)
+    checks = consistency_checks(plan, _observed(boot, drift))
     kubelet = next(c for c in checks if c["check"].startswith("kubelet"))
-    assert kubelet["ok"] and "skipped: no /etc/k/90-rtfleet.conf" in kubelet["detail"]
+    assert kubelet["ok"] and "skipped: no /etc/kubernetes/x.conf" in kubelet["detail"]
     threads = [c for c in checks if "threads inside" in c["check"]]
     assert threads and not any(c["ok"] for c in threads)  # no thread seen is not a pass
+    # A drift document without the unit checks (a guard of another version): no unit passes.
+    checks = consistency_checks(plan, _observed(boot, {"checks": {}}))
+    units = [c for c in checks if "CPUAffinity/NUMA" in c["check"] or "threads" in c["check"]]
+    assert units and not any(c["ok"] for c in units)
+    assert "the drift guard showed nothing of it" in units[0]["detail"]
+    assert not next(c for c in checks if c["check"].startswith("kubelet"))["ok"]
 
 
 @pytest.mark.parametrize(
     ("mangle", "message"),
     [
-        (lambda p, s: ({**p, "runtime_groups": None}, s), "no runtime_groups"),
-        (lambda p, s: (p, s[:-1]), "systemctl show outputs for"),
-        (lambda p, s: (p, None), "no systemctl show outputs"),
+        (lambda p, d: ({**p, "runtime_groups": None}, d), "no runtime_groups"),
+        (lambda p, d: (p, None), "no rtfleet-drift --check --json document"),
+        (lambda p, d: (p, {"checks": []}), "no rtfleet-drift --check --json document"),
+        (lambda p, d: (p, "{}"), "no rtfleet-drift --check --json document"),
     ],
 )
-def test_consistency_refuses_inputs_it_cannot_compare(trees, mangle, message):
+def test_consistency_refuses_inputs_it_cannot_compare(tmp_path, trees, mangle, message):
     from rtfleet.postcheck import PostcheckError
     from rtfleet.postcheck_consistency import consistency_checks
 
-    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
-    plan, shown = mangle(plan, shown)
+    plan, boot, reserved, shown = _consistency_inputs(trees, "xeon-2s-smt")
+    plan, drift = mangle(plan, _drift_document(tmp_path, plan, shown, reserved))
     with pytest.raises(PostcheckError, match=message):
-        consistency_checks(plan, _observed(boot, kubelet, shown, drift, "x"))
+        consistency_checks(plan, _observed(boot, drift))
 
 
 @pytest.mark.parametrize(
     "junk", ["", "CPUAffinity\n", "=\n", "CPUAffinity=not-a-list\n", "\x00" * 9]
 )
-def test_consistency_reads_hostile_systemctl_output_as_a_failure(trees, junk):
+def test_consistency_reads_hostile_systemctl_output_as_a_failure(tmp_path, trees, junk):
     from rtfleet.postcheck_consistency import consistency_checks
 
-    plan, boot, kubelet, shown, drift = _consistency_inputs(trees, "xeon-2s-smt")
+    plan, boot, reserved, shown = _consistency_inputs(trees, "xeon-2s-smt")
     shown[0] = junk
-    checks = consistency_checks(plan, _observed(boot, kubelet, shown, drift, "x"))
+    drift = _drift_document(tmp_path, plan, shown, reserved)
+    checks = consistency_checks(plan, _observed(boot, drift))
     name = plan["runtime_groups"][0]["name"]
     (unit,) = [c for c in checks if c["check"] == "shminfer@%s CPUAffinity/NUMA = plan" % name]
+    assert not unit["ok"]
+    # The same systemctl output with an active unit but a CPUAffinity systemd cannot print.
+    shown[0] = "ActiveState=active\nNUMAPolicy=bind\n" + junk
+    drift = _drift_document(tmp_path, plan, shown, reserved)
+    (unit,) = [
+        c
+        for c in consistency_checks(plan, _observed(boot, drift))
+        if c["check"] == "shminfer@%s CPUAffinity/NUMA = plan" % name
+    ]
     assert not unit["ok"]

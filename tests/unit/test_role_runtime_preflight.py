@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import run_local_playbook
 
+from rtfleet.plan_record import to_record
 from rtfleet.planner import plan_partition
 from rtfleet.topology import read_topology
 
@@ -59,7 +60,7 @@ def _nothing_written(tmp_path):
 def _plan_file(tmp_path, trees, shape, policy):
     plan = plan_partition(read_topology(str(trees(shape))), policy)
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
+    path.write_text(json.dumps(to_record(plan)))
     return path, plan
 
 
@@ -88,13 +89,15 @@ def test_runtime_refuses_a_plan_without_runtime_groups(tmp_path, trees, runtime_
 
 def test_runtime_refuses_a_plan_record_of_another_schema(tmp_path, trees, runtime_dirs):
     path, plan = _plan_file(tmp_path, trees, "epyc-9634-2s", {})
-    path.write_text(json.dumps({**plan, "schema": 2}))
+    path.write_text(json.dumps({**to_record(plan), "schema": 3}))
     run, task, msg = _run(
         tmp_path, "rtfleet_runtime", rtfleet_host_plan_file=str(path), **runtime_dirs
     )
     assert run.returncode != 0
     assert task.endswith("Stop on a plan record this collection cannot use"), (task, msg)
-    assert msg.startswith(f"cannot use {path}: plan schema 2 is not one this collection reads (1)")
+    assert msg.startswith(
+        f"cannot use {path}: plan schema 3 is not one this collection reads (1, 2)"
+    )
     assert "re-run the host step" in msg
     assert _nothing_written(tmp_path)
 

@@ -21,6 +21,7 @@ import yaml
 from conftest import REPO, run_local_playbook
 
 from rtfleet import cli
+from rtfleet.plan_record import to_record
 from rtfleet.planner import plan_partition
 from rtfleet.sampler import (
     THREAD_ENV,
@@ -272,7 +273,7 @@ def test_sampler_check_reads_files_and_says_each_rule_broken(plans, tmp_path, ca
 
 def test_the_samplers_playbook_writes_a_checked_manifest_from_the_plan_record(plans, tmp_path):
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps(plans["lab-server-nps2"]))
+    plan_file.write_text(json.dumps(to_record(plans["lab-server-nps2"])))
     out = tmp_path / "manifests"
     common = [
         "-e",
@@ -390,7 +391,7 @@ def test_the_samplers_playbook_writes_the_manifest_under_limit(plans, tmp_path):
     controller for the limited hosts (it was skipped: no manifest, and the container play
     after it failed on the class figures it never set)."""
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps(plans["lab-server-nps2"]))
+    plan_file.write_text(json.dumps(to_record(plans["lab-server-nps2"])))
     local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(json.dumps({"rack1": {"hosts": {"n1": local, "n2": local}}}))
