@@ -13,754 +13,169 @@ Design notes:
   the image bakes no key, so one image serves every checkout.
 * Everything listens on 127.0.0.1 only (hostfwd bound to loopback).
 * Stdlib + PyYAML only: the lab must work before anything else in the project does.
+
+The code is split over rtfleet.lab_state (constants, locations, host records, inventory),
+rtfleet.lab_topologies (topology files -> QEMU arguments) and rtfleet.lab_qemu (processes,
+ports, keys, booting, power, the guest probe); this module holds the commands and re-exports
+their names, so `rtfleet.lab.X` keeps working for every X the lab had.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import fcntl
-import hashlib
 import json
 import os
-import re
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from rtfleet import topology
-from rtfleet.cpulist import format_cpulist, parse_cpulist
-
-IMAGE_PREFIX = "debian12-rtfleet-"
-LAB_USER = "lab"
-DEFAULT_BOOT_TIMEOUT_S = 300
-SERIAL_TAIL_LINES = 30
-HOST_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-SSH_OPTIONS = (
-    "-o", "BatchMode=yes",
-    "-o", "StrictHostKeyChecking=no",
-    "-o", "UserKnownHostsFile=/dev/null",
-    "-o", "LogLevel=ERROR",
-    "-o", "IdentitiesOnly=yes",
-)  # fmt: skip
-# ServerAlive*: a connection that was open across a guest reboot (slirp keeps it half-open)
-# dies in a minute instead of hanging the reboot module forever.
-SSH_COMMON_ARGS = (
-    "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
-    " -o ServerAliveInterval=10 -o ServerAliveCountMax=6"
+from rtfleet.lab_qemu import (
+    HANG_CPU_SHARE,
+    HANG_WINDOW_S,
+    BootHang,
+    _require_tool,
+    compare_expect,
+    ensure_key,
+    free_port,
+    host_alive,
+    launch_qemu,
+    pid_alive,
+    port_is_free,
+    power_off,
+    probe_host,
+    probe_script,
+    process_cpu_seconds,
+    qemu_argv,
+    qemu_major,
+    read_pid,
+    remove_host,
+    serial_tail,
+    ssh_argv,
+    ssh_ready,
+    start_host,
+    stop_process,
+    summarise_topology,
+    wait_for_ssh,
+    warn_old_qemu,
 )
-QEMU_BINARY = "qemu-system-x86_64"
-QEMU_INSTALL_HINT = "apt-get install qemu-system-x86 qemu-utils"
-# QEMU 7.2's TCG, a thread per vCPU, hung 3 of 8 PREEMPT_RT boots of the 48-vCPU guest in a
-# cross-modifying-code race (docs/dev/runs.md); QEMU 10 held. Smaller guests did not show it.
-QEMU_RELIABLE_MAJOR = 10  # lab/install-deps.sh installs at least this (qemu_min_major)
-QEMU_RELIABLE_CPUS = 8
-
-
-class LabError(Exception):
-    """A failure to report to the user as one message, without a traceback."""
-
-
-# --------------------------------------------------------------------------- locations
-
-
-def find_repo_root(start: Path | None = None) -> Path:
-    """The checkout holding lab/topologies: from the cwd upwards, else from this package."""
-    candidates = [start or Path.cwd()]
-    candidates += list(candidates[0].resolve().parents)
-    candidates.append(Path(__file__).resolve().parents[2])
-    for path in candidates:
-        if (path / "lab" / "topologies").is_dir():
-            return path.resolve()
-    raise LabError("cannot find the rtfleet checkout (a directory with lab/topologies/)")
-
-
-def state_dir(repo_root: Path | None = None) -> Path:
-    env = os.environ.get("RTFLEET_LAB_DIR")
-    if env:
-        return Path(env).expanduser().resolve()
-    return (repo_root or find_repo_root()) / "lab" / ".state"
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("RTFLEET_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rtfleet"
-
-
-def image_hash(lab_dir: Path) -> str:
-    """Hash of the image builder's inputs; mirrors image_hash() in lab/build-image.sh."""
-    files = [lab_dir / "build-image.sh"]
-    files += [p for p in (lab_dir / "image").rglob("*") if p.is_file()]
-    rel = sorted(p.relative_to(lab_dir).as_posix() for p in files)
-    digest = hashlib.sha256()
-    for name in rel:
-        digest.update(name.encode() + b"\0")
-        digest.update((lab_dir / name).read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()[:12]
-
-
-def image_path(repo_root: Path) -> Path:
-    lab_dir = repo_root / "lab"
-    return cache_dir() / "images" / f"{IMAGE_PREFIX}{image_hash(lab_dir)}.qcow2"
-
-
-# --------------------------------------------------------------------------- topologies
-
-
-def _runs(cpus: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for cpu in cpus:
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], cpu)
-        else:
-            runs.append((cpu, cpu))
-    return runs
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    name: str
-    description: str
-    cpu_model: str
-    cpu_flags: tuple[str, ...]
-    sockets: int
-    dies: int
-    cores: int
-    threads: int
-    memory_mib: int
-    numa: tuple[tuple[tuple[int, ...], int], ...]  # (cpus, memory_mib) per node
-    smbios: tuple[dict[str, Any], ...]
-    expect: dict[str, Any]
-
-    @property
-    def cpus(self) -> int:
-        return self.sockets * self.dies * self.cores * self.threads
-
-
-def topologies_dir(repo_root: Path) -> Path:
-    return repo_root / "lab" / "topologies"
-
-
-def available_topologies(repo_root: Path) -> list[str]:
-    return sorted(p.stem for p in topologies_dir(repo_root).glob("*.yml"))
-
-
-def load_topology(repo_root: Path, name: str) -> Topology:
-    path = topologies_dir(repo_root) / f"{name}.yml"
-    if not path.is_file():
-        known = ", ".join(available_topologies(repo_root))
-        raise LabError(f"unknown topology {name!r}; known: {known}")
-    with open(path) as stream:
-        data = yaml.safe_load(stream)
-    return topology_from_dict(data, source=str(path))
-
-
-def topology_from_dict(data: dict[str, Any], source: str = "<topology>") -> Topology:
-    """Validate a topology document; errors name the file and the key."""
-
-    def need(key: str, kind: type) -> Any:
-        value = data.get(key)
-        if not isinstance(value, kind):
-            raise LabError(f"{source}: {key!r} must be a {kind.__name__}")
-        return value
-
-    cpu = need("cpu", dict)
-    smp = need("smp", dict)
-    sockets, dies, cores, threads = (
-        int(smp.get(k, 1)) for k in ("sockets", "dies", "cores", "threads")
-    )
-    memory_mib = int(need("memory_mib", int))
-    ncpus = sockets * dies * cores * threads
-    nodes = []
-    seen: set[int] = set()
-    for index, node in enumerate(data.get("numa") or []):
-        cpus = tuple(parse_cpulist(str(node["cpus"])))
-        if seen & set(cpus) or (cpus and cpus[-1] >= ncpus):
-            raise LabError(
-                f"{source}: numa[{index}].cpus {node['cpus']!r} overlaps or exceeds {ncpus} cpus"
-            )
-        seen.update(cpus)
-        nodes.append((cpus, int(node["memory_mib"])))
-    if nodes and seen != set(range(ncpus)):
-        raise LabError(f"{source}: numa nodes must cover cpus 0-{ncpus - 1} exactly")
-    if nodes and sum(mem for _, mem in nodes) != memory_mib:
-        raise LabError(f"{source}: numa memory_mib must add up to memory_mib ({memory_mib})")
-    cpu_flags = tuple(str(f) for f in cpu.get("flags") or [])
-    if (
-        dies > 1
-        and "vendor=GenuineIntel" in cpu_flags
-        and ("full-cpuid-auto-level=off" not in cpu_flags)
-    ):
-        # QEMU 10 exposes CPUID leaf 0x1f for this and aborts as the guest boots.
-        raise LabError(
-            f"{source}: an Intel vendor with dies > 1 needs 'full-cpuid-auto-level=off' in "
-            "cpu.flags (QEMU 10 aborts on CPUID leaf 0x1f otherwise; see lab/README.md)"
-        )
-    smbios = tuple(dict(entry) for entry in data.get("smbios") or [])
-    for entry in smbios:
-        if "type" not in entry:
-            raise LabError(f"{source}: every smbios entry needs a type")
-    return Topology(
-        name=need("name", str),
-        description=str(data.get("description", "")).strip(),
-        cpu_model=str(cpu["model"]),
-        cpu_flags=cpu_flags,
-        sockets=sockets,
-        dies=dies,
-        cores=cores,
-        threads=threads,
-        memory_mib=memory_mib,
-        numa=tuple(nodes),
-        smbios=smbios,
-        expect=dict(data.get("expect") or {}),
-    )
-
-
-def _qemu_opt(value: object) -> str:
-    # QEMU option values escape a literal comma by doubling it.
-    return str(value).replace(",", ",,")
-
-
-def topology_argv(topo: Topology) -> list[str]:
-    """The QEMU arguments that give a guest this topology."""
-    argv = ["-cpu", ",".join([topo.cpu_model, *topo.cpu_flags])]
-    smp = (
-        f"{topo.cpus},sockets={topo.sockets},dies={topo.dies},"
-        f"cores={topo.cores},threads={topo.threads}"
-    )
-    argv += ["-smp", smp, "-m", f"{topo.memory_mib}M"]
-    for nodeid, (cpus, memory_mib) in enumerate(topo.numa):
-        argv += ["-object", f"memory-backend-ram,id=m{nodeid},size={memory_mib}M"]
-        cpu_opts = ",".join(
-            f"cpus={lo}" if lo == hi else f"cpus={lo}-{hi}" for lo, hi in _runs(list(cpus))
-        )
-        argv += ["-numa", f"node,nodeid={nodeid},{cpu_opts},memdev=m{nodeid}"]
-    for entry in topo.smbios:
-        fields = [f"type={entry['type']}"]
-        fields += [f"{key}={_qemu_opt(value)}" for key, value in entry.items() if key != "type"]
-        argv += ["-smbios", ",".join(fields)]
-    return argv
-
-
-# --------------------------------------------------------------------------- hosts and state
-
-
-@dataclasses.dataclass
-class Host:
-    name: str
-    topology: str
-    port: int
-    accel: str = "tcg"
-    image: str = ""
-    boot_seconds: float | None = None
-    started_at: float | None = None
-    # QEMU's cache mode for the overlay. "unsafe" ignores the guest's flushes (fast, and a
-    # stopped lab host is thrown away); the fault drills boot "writeback", where a flush
-    # reaches the host, so a power cut (`rtfleet lab power HOST off`) loses only what the
-    # guest had not flushed, as on a real disk.
-    disk_cache: str = "unsafe"
-
-
-def host_dir(state: Path, name: str) -> Path:
-    return state / "hosts" / name
-
-
-def overlay_path(state: Path, name: str) -> Path:
-    return host_dir(state, name) / "overlay.qcow2"
-
-
-def pidfile_path(state: Path, name: str) -> Path:
-    return host_dir(state, name) / "qemu.pid"
-
-
-def serial_log_path(state: Path, name: str) -> Path:
-    return host_dir(state, name) / "serial.log"
-
-
-def record_path(state: Path, name: str) -> Path:
-    return host_dir(state, name) / "host.json"
-
-
-def key_path(state: Path) -> Path:
-    return state / "ssh" / "id_ed25519"
-
-
-def load_hosts(state: Path) -> dict[str, Host]:
-    hosts: dict[str, Host] = {}
-    for record in sorted((state / "hosts").glob("*/host.json")):
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            host = Host(**json.loads(record.read_text()))
-            hosts[host.name] = host
-    return hosts
-
-
-def save_host(state: Path, host: Host) -> None:
-    _write_atomic(
-        record_path(state, host.name), json.dumps(dataclasses.asdict(host), indent=2) + "\n"
-    )
-
-
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.chmod(mode)
-    tmp.replace(path)
-
-
-@contextlib.contextmanager
-def state_lock(state: Path):
-    """Serialise changes to the state dir between concurrent `rtfleet lab` calls."""
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def group_name(topology: str) -> str:
-    # Ansible group names must be identifiers; topology file names use dashes.
-    return re.sub(r"[^A-Za-z0-9_]", "_", topology)
-
-
-def build_inventory(hosts: dict[str, Host], key: Path) -> dict[str, Any]:
-    lab_hosts: dict[str, Any] = {}
-    groups: dict[str, Any] = {}
-    for name in sorted(hosts):
-        host = hosts[name]
-        lab_hosts[name] = {
-            "ansible_host": "127.0.0.1",
-            "ansible_port": host.port,
-            "ansible_user": LAB_USER,
-            "ansible_ssh_private_key_file": str(key),
-            # Overlays get fresh host keys and ports get reused: known_hosts would only hurt.
-            "ansible_ssh_common_args": SSH_COMMON_ARGS,
-            "ansible_python_interpreter": "/usr/bin/python3",
-            "rtfleet_lab_topology": host.topology,
-        }
-        groups.setdefault(group_name(host.topology), {"hosts": {}})["hosts"][name] = None
-    children: dict[str, Any] = {"lab": {"hosts": lab_hosts}}
-    children.update(dict(sorted(groups.items())))
-    return {"all": {"children": children}}
-
-
-def write_inventory(state: Path) -> Path:
-    path = state / "inventory.yml"
-    inventory = build_inventory(load_hosts(state), key_path(state))
-    header = (
-        "---\n"
-        "# Written by `rtfleet lab`; regenerated on every up/down, so edits here are lost.\n"
-        "# Groups: `lab` (all hosts) and one per topology (dashes become underscores).\n"
-    )
-    _write_atomic(
-        path, header + yaml.safe_dump(inventory, sort_keys=False, default_flow_style=False)
-    )
-    return path
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def read_pid(pidfile: Path) -> int | None:
-    try:
-        text = pidfile.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def pid_alive(pid: int, marker: str | None = None) -> bool:
-    """True when pid runs (not a zombie) and, given a marker, its argv contains it.
-
-    The marker (the host's overlay path) guards against a recycled pid from a stale pidfile.
-    """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    proc = Path(f"/proc/{pid}")
-    try:
-        stat = (proc / "stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-            return False
-        cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return marker is None or marker in cmdline
-
-
-def stop_process(pidfile: Path, marker: str | None, timeout: float = 15.0) -> bool:
-    """SIGTERM, wait, SIGKILL the process a pidfile names; remove the pidfile.
-
-    Returns True when a live process was stopped, False for a missing or stale pidfile.
-    """
-    pid = read_pid(pidfile)
-    stopped = False
-    if pid is not None and pid_alive(pid, marker):
-        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-            if _wait_gone(pid, marker, wait_s):
-                stopped = True
-                break
-        else:
-            raise LabError(f"process {pid} from {pidfile} survived SIGKILL")
-    with contextlib.suppress(FileNotFoundError):
-        pidfile.unlink()
-    return stopped
-
-
-def _wait_gone(pid: int, marker: str | None, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid, marker):
-            return True
-        _reap(pid)
-        time.sleep(0.1)
-    return not pid_alive(pid, marker)
-
-
-def _reap(pid: int) -> None:
-    # Only our own children can be reaped (tests run `sleep` as one); QEMU daemonises.
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def host_alive(state: Path, name: str) -> tuple[int | None, bool]:
-    pid = read_pid(pidfile_path(state, name))
-    return pid, pid is not None and pid_alive(pid, str(overlay_path(state, name)))
-
-
-# --------------------------------------------------------------------------- ports and keys
-
-
-def free_port(exclude: set[int] | frozenset[int] = frozenset(), attempts: int = 50) -> int:
-    """A loopback TCP port nobody listens on now (the kernel picks; bind-tested)."""
-    for _ in range(attempts):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in exclude and port_is_free(port):
-            return port
-    raise LabError("no free loopback port found")
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def ensure_key(state: Path) -> Path:
-    key = key_path(state)
-    if key.is_file() and key.with_suffix(".pub").is_file():
-        key.chmod(0o600)
-        return key
-    _require_tool("ssh-keygen", "apt-get install openssh-client")
-    key.parent.mkdir(parents=True, exist_ok=True)
-    key.parent.chmod(0o700)
-    for stale in (key, key.with_suffix(".pub")):
-        with contextlib.suppress(FileNotFoundError):
-            stale.unlink()
-    subprocess.run(
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "rtfleet-lab", "-f", str(key)],
-        check=True,
-    )
-    key.chmod(0o600)
-    return key
-
-
-def qemu_major(version_text: str) -> int | None:
-    """The major version in ``qemu-system-x86_64 --version`` output, None when unreadable."""
-    match = re.match(r"QEMU emulator version (\d+)\.", version_text)
-    return int(match.group(1)) if match else None
-
-
-def warn_old_qemu(topologies: dict[str, Topology]) -> str | None:
-    """A one-line warning when a guest this large runs on a QEMU known to hang its RT boots."""
-    large = sorted(name for name, topo in topologies.items() if topo.cpus > QEMU_RELIABLE_CPUS)
-    if not large:
-        return None
-    result = subprocess.run([QEMU_BINARY, "--version"], capture_output=True, text=True, check=False)
-    major = qemu_major(result.stdout)
-    if major is not None and major >= QEMU_RELIABLE_MAJOR:
-        return None
-    return (
-        f"warning: {', '.join(large)}: QEMU {major if major is not None else '(unknown)'} "
-        f"can hang a guest of more than {QEMU_RELIABLE_CPUS} vCPUs booting PREEMPT_RT; "
-        f"lab/install-deps.sh installs QEMU {QEMU_RELIABLE_MAJOR} (docs/dev/runs.md)"
-    )
-
-
-def _require_tool(tool: str, hint: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise LabError(f"{tool} not found; install it with: {hint}")
-    return path
-
-
-# --------------------------------------------------------------------------- QEMU
-
-
-def qemu_argv(
-    state: Path,
-    host: Host,
-    topo: Topology,
-    key: Path,
-    accel: str = "tcg",
-) -> list[str]:
-    """The full QEMU command line for one lab host (daemonised, pidfile, loopback ssh)."""
-    accel_opt = "tcg,thread=multi" if accel == "tcg" else accel
-    overlay = overlay_path(state, host.name)
-    return [
-        QEMU_BINARY,
-        "-name", f"rtfleet-lab-{host.name}",
-        "-machine", "q35",
-        "-accel", accel_opt,
-        *topology_argv(topo),
-        "-drive",
-        f"file={_qemu_opt(overlay)},format=qcow2,if=virtio,cache={host.disk_cache},discard=unmap",
-        "-nic", f"user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{host.port}-:22",
-        "-fw_cfg", f"name=opt/rtfleet/authorized_keys,file={_qemu_opt(key.with_suffix('.pub'))}",
-        "-fw_cfg", f"name=opt/rtfleet/hostname,string={host.name}",
-        "-serial", f"file:{serial_log_path(state, host.name)}",
-        "-display", "none",
-        "-monitor", "none",
-        "-pidfile", str(pidfile_path(state, host.name)),
-        "-daemonize",
-    ]  # fmt: skip
-
-
-def serial_tail(state: Path, name: str, lines: int = SERIAL_TAIL_LINES) -> str:
-    try:
-        text = serial_log_path(state, name).read_text(errors="replace")
-    except OSError:
-        return "(no serial log)"
-    # The serial console carries ANSI colour codes and CRs from systemd.
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def ssh_argv(
-    state: Path, host: Host, command: list[str] | None = None, connect_timeout: int = 10
-) -> list[str]:
-    argv = [
-        "ssh", *SSH_OPTIONS,
-        "-o", f"ConnectTimeout={connect_timeout}",
-        "-i", str(key_path(state)),
-        "-p", str(host.port),
-        f"{LAB_USER}@127.0.0.1",
-    ]  # fmt: skip
-    if command:
-        argv += ["--", *command]
-    return argv
-
-
-def ssh_ready(state: Path, host: Host) -> bool:
-    try:
-        result = subprocess.run(
-            ssh_argv(state, host, ["true"], connect_timeout=5),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    return result.returncode == 0
-
-
-def start_host(state: Path, host: Host, topo: Topology, image: Path, key: Path) -> None:
-    """Create the overlay and start QEMU; retries with a new port if the port was taken."""
-    hdir = host_dir(state, host.name)
-    hdir.mkdir(parents=True, exist_ok=True)
-    overlay = overlay_path(state, host.name)
-    with contextlib.suppress(FileNotFoundError):
-        overlay.unlink()
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(image), str(overlay)],
-        check=True,
-    )
-    launch_qemu(state, host, topo, key)
-
-
-def launch_qemu(state: Path, host: Host, topo: Topology, key: Path) -> None:
-    """Start QEMU on the host's existing overlay (a power-on)."""
-    hdir = host_dir(state, host.name)
-    used = {h.port for h in load_hosts(state).values() if h.name != host.name}
-    for attempt in range(3):
-        if attempt or not port_is_free(host.port) or host.port in used:
-            host.port = free_port(exclude=used)
-        argv = qemu_argv(state, host, topo, key, accel=host.accel)
-        result = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if result.returncode == 0:
-            host.started_at = time.time()
-            save_host(state, host)
-            (hdir / "qemu.argv").write_text(shlex.join(argv) + "\n")
-            return
-        if "host forwarding" not in result.stderr:
-            break
-    raise LabError(f"{host.name}: QEMU failed to start:\n{result.stderr.strip()}")
-
-
-# A booting TCG guest keeps its QEMU busy; one that hung in early boot (seen: an RCU stall
-# with "timer wakeup didn't happen" while the controller was loaded, then nothing) leaves
-# it idle. Below this share of one host CPU over HANG_WINDOW_S without ssh, it is hung.
-HANG_WINDOW_S = 90.0
-HANG_CPU_SHARE = 0.02
-
-
-class BootHang(LabError):
-    """The guest stopped booting: its QEMU sat idle without ssh (worth one more boot)."""
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of pid (/proc/PID/stat), None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_for_ssh(state: Path, host: Host, timeout: float, hang_window_s=HANG_WINDOW_S) -> float:
-    """Seconds until ssh answered; on timeout, a dead QEMU or a hung guest (:class:`BootHang`)
-    stop it and raise with the serial log's end."""
-    start = time.monotonic()
-    marker = str(overlay_path(state, host.name))
-    samples: list[tuple[float, float]] = []  # (monotonic, QEMU CPU seconds)
-    error = LabError
-    while True:
-        pid = read_pid(pidfile_path(state, host.name))
-        if pid is None or not pid_alive(pid, marker):
-            reason = "QEMU exited while booting"
-            break
-        if ssh_ready(state, host):
-            return time.monotonic() - start
-        now = time.monotonic()
-        if now - start > timeout:
-            reason = f"no ssh after {timeout:.0f} s"
-            break
-        cpu = process_cpu_seconds(pid)
-        if cpu is not None:
-            samples.append((now, cpu))
-            while len(samples) > 1 and now - samples[1][0] >= hang_window_s:
-                samples.pop(0)
-            since, used = now - samples[0][0], cpu - samples[0][1]
-            if since >= hang_window_s and used < HANG_CPU_SHARE * since:
-                reason = f"hung: QEMU used {used:.1f} s of CPU in {since:.0f} s, no ssh"
-                error = BootHang
-                break
-        time.sleep(3)
-    stop_process(pidfile_path(state, host.name), marker)
-    tail = serial_tail(state, host.name)
-    raise error(f"{host.name}: {reason}; stopped its QEMU. The serial log ends with:\n{tail}")
-
-
-def remove_host(state: Path, name: str) -> bool:
-    """Stop a host's QEMU (pidfile), drop its overlay and record; keep the serial log."""
-    hdir = host_dir(state, name)
-    stopped = stop_process(pidfile_path(state, name), str(overlay_path(state, name)))
-    serial = serial_log_path(state, name)
-    if serial.exists():
-        logs = state / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        serial.replace(logs / f"{name}.serial.log")
-    shutil.rmtree(hdir, ignore_errors=True)
-    return stopped
-
-
-# --------------------------------------------------------------------------- guest probe
-
-# The guest is read by rtfleet's one topology reader (sysfs, never lscpu, which misreports
-# these guests' sockets and caches): its source is piped to the guest's python3, its
-# modules (topology.py and the two under it) made into one package in memory there.
-_PROBE_MODULES = ("cpulist", "hostfacts", "topology")
-_PROBE_FOOTER = """
-import json as _json, subprocess as _sp
-_virt = _sp.run(["systemd-detect-virt"], capture_output=True, text=True).stdout.strip()
-print(_json.dumps({"topology": read_topology("/"), "virt": _virt}))
-"""
-
-
-def summarise_topology(topo: dict[str, Any], virt: str = "") -> dict[str, Any]:
-    """A topology in the vocabulary of a lab topology's `expect` block."""
-    return {
-        "cpus": len(topo["cpus"]),
-        "packages": len(topo["packages"]),
-        "dies": len(topo["dies"]) or len(topo["packages"]),
-        "threads_per_core": topo["smt"]["threads_per_core"],
-        "numa_nodes": [format_cpulist(n["cpus"]) for n in topo["numa_nodes"]],
-        "l3_groups": [format_cpulist(g["cpus"]) for g in topo["l3_groups"]],
-        "virtualization": virt,
-        "kernel": topo["kernel"]["release"],
-        "cmdline": topo["kernel"]["cmdline"],
-    }
-
-
-def probe_script(footer: str = _PROBE_FOOTER) -> str:
-    """A python3 script for stdin: the topology reader's modules, then ``footer``, which
-    calls ``read_topology``; the guest needs nothing of rtfleet installed."""
-    here = Path(topology.__file__).parent
-    lines = [
-        "import sys as _sys, types as _types",
-        "_sys.modules['rtfleet_probe'] = _types.ModuleType('rtfleet_probe')",
-        "_sys.modules['rtfleet_probe'].__path__ = []",
-    ]
-    for name in _PROBE_MODULES:
-        source = (here / f"{name}.py").read_text(encoding="utf-8")
-        qualified = f"rtfleet_probe.{name}"
-        lines += [
-            f"_mod = _sys.modules[{qualified!r}] = _types.ModuleType({qualified!r})",
-            "_mod.__package__ = 'rtfleet_probe'",
-            f"exec(compile({source!r}, '{name}.py', 'exec'), _mod.__dict__)",
-        ]
-    lines.append("read_topology = _sys.modules['rtfleet_probe.topology'].read_topology")
-    return "\n".join(lines) + "\n" + footer
-
-
-def probe_host(state: Path, host: Host) -> dict[str, Any]:
-    script = probe_script()
-    result = subprocess.run(
-        ssh_argv(state, host, ["python3", "-"]),
-        input=script,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise LabError(f"{host.name}: probe failed: {result.stderr.strip()}")
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    return summarise_topology(data["topology"], data["virt"])
-
-
-def compare_expect(expect: dict[str, Any], seen: dict[str, Any]) -> list[str]:
-    """Differences between a topology's `expect` block and what the guest showed."""
-    return [
-        f"{key}: expected {value!r}, guest shows {seen.get(key)!r}"
-        for key, value in expect.items()
-        if seen.get(key) != value
-    ]
-
+from rtfleet.lab_state import (
+    DEFAULT_BOOT_TIMEOUT_S,
+    HOST_NAME_RE,
+    IMAGE_PREFIX,
+    LAB_USER,
+    QEMU_BINARY,
+    QEMU_INSTALL_HINT,
+    QEMU_RELIABLE_CPUS,
+    QEMU_RELIABLE_MAJOR,
+    SERIAL_TAIL_LINES,
+    SSH_COMMON_ARGS,
+    SSH_OPTIONS,
+    Host,
+    LabError,
+    build_inventory,
+    cache_dir,
+    find_repo_root,
+    group_name,
+    host_dir,
+    image_hash,
+    image_path,
+    key_path,
+    load_hosts,
+    overlay_path,
+    pidfile_path,
+    record_path,
+    save_host,
+    serial_log_path,
+    state_dir,
+    state_lock,
+    write_inventory,
+)
+from rtfleet.lab_topologies import (
+    Topology,
+    available_topologies,
+    load_topology,
+    topologies_dir,
+    topology_argv,
+    topology_from_dict,
+)
+
+__all__ = [
+    "DEFAULT_BOOT_TIMEOUT_S",
+    "HANG_CPU_SHARE",
+    "HANG_WINDOW_S",
+    "HOST_NAME_RE",
+    "IMAGE_PREFIX",
+    "LAB_USER",
+    "QEMU_BINARY",
+    "QEMU_INSTALL_HINT",
+    "QEMU_RELIABLE_CPUS",
+    "QEMU_RELIABLE_MAJOR",
+    "SERIAL_TAIL_LINES",
+    "SSH_COMMON_ARGS",
+    "SSH_OPTIONS",
+    "BootHang",
+    "Host",
+    "LabError",
+    "Topology",
+    "add_parser",
+    "available_topologies",
+    "build_inventory",
+    "cache_dir",
+    "cmd_down",
+    "cmd_image",
+    "cmd_power",
+    "cmd_probe",
+    "cmd_ssh",
+    "cmd_status",
+    "cmd_up",
+    "compare_expect",
+    "ensure_key",
+    "find_repo_root",
+    "free_port",
+    "group_name",
+    "host_alive",
+    "host_dir",
+    "host_status",
+    "image_hash",
+    "image_path",
+    "key_path",
+    "launch_qemu",
+    "load_hosts",
+    "load_topology",
+    "overlay_path",
+    "pid_alive",
+    "pidfile_path",
+    "port_is_free",
+    "power_off",
+    "probe_host",
+    "probe_script",
+    "process_cpu_seconds",
+    "qemu_argv",
+    "qemu_major",
+    "read_pid",
+    "record_path",
+    "remove_host",
+    "save_host",
+    "serial_log_path",
+    "serial_tail",
+    "ssh_argv",
+    "ssh_ready",
+    "start_host",
+    "state_dir",
+    "state_lock",
+    "stop_process",
+    "summarise_topology",
+    "topologies_dir",
+    "topology_argv",
+    "topology_from_dict",
+    "wait_for_ssh",
+    "warn_old_qemu",
+    "write_inventory",
+]
 
 # --------------------------------------------------------------------------- commands
 
@@ -802,11 +217,8 @@ def cmd_image(args: argparse.Namespace) -> int:
     return result.returncode
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    repo = find_repo_root()
-    state = state_dir(repo)
-    specs = _host_specs(args)
-    topologies = {topology: load_topology(repo, topology) for _, topology in specs}
+def _up_image(args: argparse.Namespace, repo: Path, topologies: dict[str, Topology]) -> Path:
+    """Check the tools `up` needs, warn about an old QEMU; the base image to boot from."""
     _require_tool(QEMU_BINARY, QEMU_INSTALL_HINT)
     _require_tool("qemu-img", QEMU_INSTALL_HINT)
     _require_tool("ssh", "apt-get install openssh-client")
@@ -819,76 +231,125 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"base image {image} not found; build it with `rtfleet lab image` "
             "(lab/build-image.sh, about 5 minutes, needs root)"
         )
+    return image
+
+
+def _start_hosts(
+    args: argparse.Namespace,
+    state: Path,
+    specs: list[tuple[str, str]],
+    *,
+    topologies: dict[str, Topology],
+    image: Path,
+    key: Path,
+    failures: list[str],
+) -> list[Host]:
+    """Start QEMU for each host not up yet (under the state lock) -> the hosts booting."""
+    pending: list[Host] = []
+    existing = load_hosts(state)
+    running = {name for name in existing if host_alive(state, name)[1]}
+    for name, topology in specs:
+        if name in running and existing[name].topology != topology:
+            raise LabError(
+                f"{name} is up as {existing[name].topology}; `rtfleet lab down {name}` first"
+            )
+    for name, topology in specs:
+        if name in running:
+            print(f"{name}: already up ({topology}, port {existing[name].port})")
+            continue
+        if host_dir(state, name).exists():
+            remove_host(state, name)  # stale: dead QEMU or a half-made host
+        host = Host(
+            name=name,
+            topology=topology,
+            port=0,
+            accel=args.accel,
+            image=str(image),
+            disk_cache=args.disk_cache,
+        )
+        host.port = free_port(
+            exclude={h.port for h in existing.values()} | {h.port for h in pending}
+        )
+        try:
+            start_host(state, host, topologies[topology], image, key)
+        except (LabError, subprocess.CalledProcessError) as exc:
+            failures.append(f"{name}: {exc}")
+            remove_host(state, name)
+            continue
+        print(
+            f"{name}: booting {topology} on 127.0.0.1:{host.port} "
+            f"(serial log {serial_log_path(state, name)})"
+        )
+        pending.append(host)
+    return pending
+
+
+def _boot_host(
+    state: Path,
+    host: Host,
+    topo: Topology,
+    *,
+    image: Path,
+    key: Path,
+    timeout: float,
+    failures: list[str],
+) -> None:
+    """Wait for a started host's ssh (one more boot after a hang); record or remove it."""
+    try:
+        try:
+            seconds = wait_for_ssh(state, host, timeout)
+        except BootHang as exc:
+            # Once more from a fresh overlay: a hang is the emulator's, not the image's.
+            print(f"{exc}\n{host.name}: booting it once more", file=sys.stderr)
+            logs = state / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copy(
+                    serial_log_path(state, host.name), logs / f"{host.name}.hung.serial.log"
+                )
+            start_host(state, host, topo, image, key)
+            seconds = wait_for_ssh(state, host, timeout)
+    except (LabError, subprocess.CalledProcessError) as exc:
+        with state_lock(state):
+            # Keep the serial log for the post-mortem; drop the rest of the host.
+            remove_host(state, host.name)
+        log = state / "logs" / f"{host.name}.serial.log"
+        failures.append(f"{exc}\n(full serial log: {log})")
+        return
+    host.boot_seconds = round(seconds, 1)
+    with state_lock(state):
+        save_host(state, host)
+    print(f"{host.name}: ssh ready after {seconds:.0f} s")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    repo = find_repo_root()
+    state = state_dir(repo)
+    specs = _host_specs(args)
+    topologies = {topology: load_topology(repo, topology) for _, topology in specs}
+    image = _up_image(args, repo, topologies)
     key = ensure_key(state)
 
-    pending: list[Host] = []
     failures: list[str] = []
     with state_lock(state):
-        existing = load_hosts(state)
-        running = {name for name in existing if host_alive(state, name)[1]}
-        for name, topology in specs:
-            if name in running and existing[name].topology != topology:
-                raise LabError(
-                    f"{name} is up as {existing[name].topology}; `rtfleet lab down {name}` first"
-                )
-        for name, topology in specs:
-            if name in running:
-                print(f"{name}: already up ({topology}, port {existing[name].port})")
-                continue
-            if host_dir(state, name).exists():
-                remove_host(state, name)  # stale: dead QEMU or a half-made host
-            host = Host(
-                name=name,
-                topology=topology,
-                port=0,
-                accel=args.accel,
-                image=str(image),
-                disk_cache=args.disk_cache,
-            )
-            host.port = free_port(
-                exclude={h.port for h in existing.values()} | {h.port for h in pending}
-            )
-            try:
-                start_host(state, host, topologies[topology], image, key)
-            except (LabError, subprocess.CalledProcessError) as exc:
-                failures.append(f"{name}: {exc}")
-                remove_host(state, name)
-                continue
-            print(
-                f"{name}: booting {topology} on 127.0.0.1:{host.port} "
-                f"(serial log {serial_log_path(state, name)})"
-            )
-            pending.append(host)
+        pending = _start_hosts(
+            args, state, specs, topologies=topologies, image=image, key=key, failures=failures
+        )
         write_inventory(state)
 
-    def boot(host: Host) -> None:
-        try:
-            try:
-                seconds = wait_for_ssh(state, host, timeout)
-            except BootHang as exc:
-                # Once more from a fresh overlay: a hang is the emulator's, not the image's.
-                print(f"{exc}\n{host.name}: booting it once more", file=sys.stderr)
-                logs = state / "logs"
-                logs.mkdir(parents=True, exist_ok=True)
-                with contextlib.suppress(OSError):
-                    shutil.copy(
-                        serial_log_path(state, host.name), logs / f"{host.name}.hung.serial.log"
-                    )
-                start_host(state, host, topologies[host.topology], image, key)
-                seconds = wait_for_ssh(state, host, timeout)
-        except (LabError, subprocess.CalledProcessError) as exc:
-            with state_lock(state):
-                # Keep the serial log for the post-mortem; drop the rest of the host.
-                remove_host(state, host.name)
-            log = state / "logs" / f"{host.name}.serial.log"
-            failures.append(f"{exc}\n(full serial log: {log})")
-            return
-        host.boot_seconds = round(seconds, 1)
-        with state_lock(state):
-            save_host(state, host)
-        print(f"{host.name}: ssh ready after {seconds:.0f} s")
-
     timeout = args.timeout or DEFAULT_BOOT_TIMEOUT_S * max(1, len(pending))
+
+    def boot(host: Host) -> None:
+        _boot_host(
+            state,
+            host,
+            topologies[host.topology],
+            image=image,
+            key=key,
+            timeout=timeout,
+            failures=failures,
+        )
+
     if pending:
         with ThreadPoolExecutor(max_workers=len(pending)) as pool:
             list(pool.map(boot, pending))
@@ -973,21 +434,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
         results[name] = {"topology": host.topology, "seen": seen, "mismatches": diff}
     print(json.dumps(results, indent=2))
     return 1 if mismatches else 0
-
-
-def power_off(state: Path, name: str) -> int:
-    """Cut a host's power: SIGKILL to its QEMU, no shutdown, no flush. -> the pid killed.
-    The overlay stays (`power on` boots it again); a host that is not running is an error,
-    so a fault drill cannot pass without its fault."""
-    pid, alive = host_alive(state, name)
-    if pid is None or not alive:
-        raise LabError(f"{name} is not running: there is no power to cut")
-    os.kill(pid, signal.SIGKILL)
-    if not _wait_gone(pid, str(overlay_path(state, name)), 10.0):
-        raise LabError(f"{name}: QEMU {pid} survived SIGKILL")
-    with contextlib.suppress(FileNotFoundError):
-        pidfile_path(state, name).unlink()
-    return pid
 
 
 def cmd_power(args: argparse.Namespace) -> int:
