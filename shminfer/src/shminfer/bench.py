@@ -50,6 +50,8 @@ import time
 
 import numpy as np
 
+from shminfer.bench_report import print_report, targets
+
 WIDTH = 4096  # float32 -> 16 KiB in, 32 KiB out
 VARIANTS = ("shminfer", "shminfer_pure", "pipe_pickle", "tcp_pickle", "sleep_poll", "iceoryx2")
 
@@ -485,6 +487,52 @@ def main(args) -> int:
         return _main(args)
 
 
+def _measure_together(together, ctx, args, everywhere, inputs):
+    """The variants that wait side by side, measured interleaved: (their results, the
+    variants started, the per-round p50s)."""
+    results = {}
+    started = {}
+    try:
+        for name in together:
+            started[name] = _start(name, ctx, args, everywhere, inputs)
+            _pause(started[name])
+        _pin(args.client_cpu)
+        samples, rounds = _interleaved(started, inputs, args.requests)
+        for name, variant in started.items():
+            _resume(variant)
+            results[name] = _stats(*samples[name])
+            results[name].update(_extras(name, variant, inputs, args))
+            _pause(variant)
+    finally:
+        for variant in started.values():
+            _resume(variant)
+            variant.close()
+    return results, started, rounds
+
+
+def _measure_alone(alone, ctx, args, everywhere, inputs):
+    """The variants that run alone (the pure path, the sleep-poll baseline), one after
+    another: their results."""
+    from shminfer import _sys  # noqa: PLC0415
+
+    results = {}
+    for name in alone:
+        variant = _start(name, ctx, args, everywhere, inputs)
+        _pin(args.client_cpu)
+        try:
+            requests = args.requests if name != "sleep_poll" else max(200, args.requests // 20)
+            for _ in range(min(1000, requests // 10)):
+                variant.call(inputs)
+            results[name] = _timed(lambda v=variant: v.call(inputs), requests)
+            results[name].update(_extras(name, variant, inputs, args))
+        finally:
+            variant.close()
+            if name == "shminfer_pure":
+                os.environ.pop("SHMINFER_PURE", None)
+                _sys.use("c")
+    return results
+
+
 def _main(args) -> int:
     ctx = multiprocessing.get_context("spawn")
     everywhere = os.sched_getaffinity(0)
@@ -502,7 +550,6 @@ def _main(args) -> int:
     if "shminfer_pure" in names and _sys.use(_sys.IMPLEMENTATION) == "pure":
         names.remove("shminfer_pure")
         skipped.append("shminfer_pure (this process runs pure already: shminfer is the fallback)")
-    results = {}
     load_start = round(os.getloadavg()[0], 2)
     path = _sys.IMPLEMENTATION
     # The variants that can wait side by side (their idle servers take no CPU, or are
@@ -512,36 +559,8 @@ def _main(args) -> int:
     # its implementation) and the sleep-poll baseline (it polls) run alone afterwards.
     together = [n for n in names if n not in ("shminfer_pure", "sleep_poll")]
     alone = [n for n in names if n in ("shminfer_pure", "sleep_poll")]
-    started = {}
-    try:
-        for name in together:
-            started[name] = _start(name, ctx, args, everywhere, inputs)
-            _pause(started[name])
-        _pin(args.client_cpu)
-        samples, rounds = _interleaved(started, inputs, args.requests)
-        for name, variant in started.items():
-            _resume(variant)
-            results[name] = _stats(*samples[name])
-            results[name].update(_extras(name, variant, inputs, args))
-            _pause(variant)
-    finally:
-        for variant in started.values():
-            _resume(variant)
-            variant.close()
-    for name in alone:
-        variant = _start(name, ctx, args, everywhere, inputs)
-        _pin(args.client_cpu)
-        try:
-            requests = args.requests if name != "sleep_poll" else max(200, args.requests // 20)
-            for _ in range(min(1000, requests // 10)):
-                variant.call(inputs)
-            results[name] = _timed(lambda v=variant: v.call(inputs), requests)
-            results[name].update(_extras(name, variant, inputs, args))
-        finally:
-            variant.close()
-            if name == "shminfer_pure":
-                os.environ.pop("SHMINFER_PURE", None)
-                _sys.use("c")
+    results, started, rounds = _measure_together(together, ctx, args, everywhere, inputs)
+    results.update(_measure_alone(alone, ctx, args, everywhere, inputs))
     report = {
         "variants": {name: results[name] for name in names},
         "shminfer_path": path,
@@ -569,99 +588,5 @@ def _main(args) -> int:
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
-        _print(report)
+        print_report(report)
     return 0
-
-
-def targets(results) -> list:
-    """Issue 12's speed targets, judged from this run's numbers: [(name, value, pass)]."""
-    shm = results["shminfer"]
-    out = []
-    if "iceoryx2" in results:
-        ratio = shm["p50_us"] / results["iceoryx2"]["p50_us"]
-        out.append(("shminfer p50 / iceoryx2 p50 <= 0.5", round(ratio, 3), ratio <= 0.5))
-    if "pipe_pickle" in results:
-        pipe = results["pipe_pickle"]
-        ratio = pipe["p50_us"] / shm["p50_us"]
-        out.append(("pipe_pickle p50 / shminfer p50 >= 20", round(ratio, 1), ratio >= 20))
-        if "after_1s_idle_p50_us" in shm and "after_1s_idle_p50_us" in pipe:
-            ours, theirs = shm["after_1s_idle_p50_us"], pipe["after_1s_idle_p50_us"]
-            out.append(
-                (
-                    "first request after 1 s idle (µs): shminfer < pipe_pickle",
-                    f"{ours} vs {theirs}",
-                    ours < theirs,
-                )
-            )
-    if "rps_4_in_flight" in shm:
-        rps = shm["rps_4_in_flight"]
-        out.append(("shminfer req/s with 4 in flight >= 100000", rps, rps >= 100_000))
-    if "shminfer_pure" in results:
-        c, pure = shm["p50_us"], results["shminfer_pure"]["p50_us"]
-        out.append(
-            (
-                "p50 (µs): C path <= 12 and pure-Python fallback <= 20",
-                f"{c} and {pure}",
-                c <= 12 and pure <= 20,
-            )
-        )
-    return out
-
-
-def _print(report):
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    console = Console(highlight=False, width=160)
-    table = Table(title="IPC echo 16 KiB -> 32 KiB, pinned client/server", title_justify="left")
-    for col in (
-        "variant",
-        "p50 µs",
-        "p99 µs",
-        "p99.9 µs",
-        "max µs",
-        "req/s",
-        "req/s @4",
-        "1st after idle µs",
-        "p50 vs shminfer",
-    ):
-        table.add_column(col, justify="right")
-    ratios = report.get("ratios_vs_shminfer_p50", {})
-    for name, r in report["variants"].items():
-        table.add_row(
-            name,
-            f"{r['p50_us']:.1f}",
-            f"{r['p99_us']:.1f}",
-            f"{r['p999_us']:.1f}",
-            f"{r['max_us']:.0f}",
-            f"{r['rps']:.0f}",
-            f"{r['rps_4_in_flight']:.0f}" if "rps_4_in_flight" in r else "-",
-            f"{r['after_1s_idle_p50_us']:.1f}" if "after_1s_idle_p50_us" in r else "-",
-            "1.0x" if name == "shminfer" else (f"{ratios[name]}x" if name in ratios else "-"),
-        )
-    console.print(table)
-    d = report.get("deschedule_1thread_model")
-    if d:
-        console.print(
-            f"1-thread numpy MLP on shminfer: deschedule p50 {d['p50_ms']} ms, p99 {d['p99_ms']} "
-            f"ms, p99.9 {d['p999_ms']} ms; process/thread CPU ratio {d['cpu_ratio']}"
-        )
-    for note in report.get("skipped", []):
-        console.print(f"skipped: {note}")
-    together = report.get("interleaved")
-    if together:
-        line = f"measured interleaved in {len(together['rounds_p50_us'])} rounds: " + ", ".join(
-            together["variants"]
-        )
-        by_round = together["rounds_p50_us"]
-        if "iceoryx2" in together["variants"] and "shminfer" in together["variants"]:
-            ratios = [r["shminfer"] / r["iceoryx2"] for r in by_round if r.get("iceoryx2")]
-            if ratios:
-                line += f"; shminfer / iceoryx2 p50 per round {min(ratios):.2f}-{max(ratios):.2f}"
-        console.print(line)
-    console.print(
-        f"shminfer ran its {report['shminfer_path']} path; load average (1 min) "
-        f"{report['load_avg_1m_start']} at the start, {report['load_avg_1m']} at the end"
-    )
-    for name, value, ok in report.get("targets", []):
-        console.print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")

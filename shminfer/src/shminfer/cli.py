@@ -10,49 +10,13 @@ import time
 
 import numpy as np
 
-from shminfer.backends import BACKENDS, BackendError, make_model
+from shminfer import cli_options
+from shminfer.backends import BackendError, make_model
 from shminfer.client import Client, InferenceError, attach
 from shminfer.codec import PayloadError
-from shminfer.limits import CGROUP_ROOT, HEALTH_EVERY_S, HEALTH_GRACE_S, HEALTH_STUCK_S
 from shminfer.metrics import slow_batches, summarize
-from shminfer.queue import (
-    CPU_EXACT_NS,
-    MAX_SLOT_BYTES,
-    MAX_SLOTS,
-    QueueError,
-)
+from shminfer.queue import CPU_EXACT_NS, QueueError
 from shminfer.registry import read_registry
-
-
-def _cpulist(text: str) -> list[int]:
-    from shminfer.cpulist import TopologyError, parse_cpulist  # noqa: PLC0415
-
-    try:
-        cpus = parse_cpulist(text, "--cpus")
-    except TopologyError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not cpus:
-        raise argparse.ArgumentTypeError("--cpus is empty")
-    return cpus
-
-
-def _bounded(flag: str, low, high, kind=int):
-    """argparse type: a ``kind`` (int, or float) in low..high, else a one-line error."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = int(text, 0) if kind is int else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes {noun}, got {text!r}") from None
-        if not low <= value <= high:
-            shown = str if kind is int else "{:g}".format
-            raise argparse.ArgumentTypeError(
-                f"{flag} must be {shown(low)}..{shown(high)}, got {shown(value)}"
-            )
-        return value
-
-    return parse
 
 
 def _node_of(cpus: list[int], root: str = "/") -> int:
@@ -132,8 +96,6 @@ def _connect(args) -> Client:
 
 
 def cmd_smoke(args) -> int:
-    from shminfer.cpulist import format_cpulist  # noqa: PLC0415
-
     if args.max_deschedule_p999_ms < CPU_EXACT_NS / 1e6:
         # Below it, a short batch's deschedule is an upper bound (its wall time), not exact.
         print(
@@ -149,6 +111,30 @@ def cmd_smoke(args) -> int:
 
         choice = where(match=args.match)
         args.name = choice.name
+    latencies, errors, records, affinity = _smoke_requests(args, rng)
+    summary = summarize(records)
+    result = _smoke_result(
+        args,
+        choice,
+        summary,
+        latencies=latencies,
+        errors=errors,
+        records=records,
+        affinity=affinity,
+    )
+    failures = _smoke_failures(args, result, summary, errors=errors, affinity=affinity)
+    result["passed"] = not failures
+    result["failures"] = failures
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        _print_smoke(result)
+    return 0 if not failures else 1
+
+
+def _smoke_requests(args, rng):
+    """The warm-up and the measured requests: (round trips in ms, errors, the ring records
+    of the measured window, this client's CPU affinity before and after)."""
     with _connect(args) as client:
         client.wait_ready(args.ready_timeout)
         model = client.model
@@ -176,9 +162,16 @@ def cmd_smoke(args) -> int:
         records = np.concatenate(
             [lane.seg.ring_read(since)[0] for lane, since in zip(client.lanes, heads)]
         )
-    summary = summarize(records)
+    return latencies, errors, records, (affinity_before, affinity_after)
+
+
+def _smoke_result(args, choice, summary, *, latencies, errors, records, affinity):
+    """`shminfer smoke`'s result, before its verdict."""
+    from shminfer.cpulist import format_cpulist  # noqa: PLC0415
+
+    affinity_before, affinity_after = affinity
     lat = np.array(latencies) if latencies else np.array([np.nan])
-    result = {
+    return {
         "server": args.name,
         **({"choice": choice.as_dict()} if choice else {}),
         "requests": args.requests,
@@ -198,6 +191,13 @@ def cmd_smoke(args) -> int:
         "client_cpus": format_cpulist(affinity_before | affinity_after),
         **{k: v for k, v in summary.items() if k != "samples"},
     }
+
+
+def _smoke_failures(args, result, summary, *, errors, affinity):
+    """The gates `shminfer smoke` failed, one line each."""
+    from shminfer.cpulist import format_cpulist  # noqa: PLC0415
+
+    affinity_before, affinity_after = affinity
     failures = []
     if affinity_after != affinity_before:
         failures.append(
@@ -224,13 +224,7 @@ def cmd_smoke(args) -> int:
         )
     if result["slow_infer"] > args.max_slow_infer:
         failures.append(f"{result['slow_infer']} slow_infer batches > {args.max_slow_infer}")
-    result["passed"] = not failures
-    result["failures"] = failures
-    if args.format == "json":
-        print(json.dumps(result, indent=2))
-    else:
-        _print_smoke(result)
-    return 0 if not failures else 1
+    return failures
 
 
 def cmd_probe(args) -> int:
@@ -353,166 +347,18 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shminfer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    serve = sub.add_parser("serve", help="run a server: one pinned worker per CPU")
-    serve.add_argument(
-        "--name",
-        required=True,
-        help="server name (its directory: $SHMINFER_DIR/NAME, default /run/shminfer/NAME)",
+    return cli_options.build_parser(
+        __doc__,
+        {
+            "serve": cmd_serve,
+            "smoke": cmd_smoke,
+            "probe": cmd_probe,
+            "stats": cmd_stats,
+            "where": cmd_where,
+            "make-model": cmd_make_model,
+            "bench": cmd_bench,
+        },
     )
-    serve.add_argument("--cpus", required=True, type=_cpulist, help="worker CPUs, e.g. 2-7")
-    serve.add_argument(
-        "--numa-node",
-        type=int,
-        help="bind the queue memory here (default: the node of --cpus; -1 disables binding)",
-    )
-    serve.add_argument("--backend", choices=sorted(BACKENDS), default="openvino")
-    serve.add_argument("--model", help="model path (.xml for openvino, .npz for numpy)")
-    serve.add_argument("--slots", type=_bounded("--slots", 1, MAX_SLOTS), default=64)
-    serve.add_argument(
-        "--request-bytes", type=_bounded("--request-bytes", 64, MAX_SLOT_BYTES), default=65536
-    )
-    serve.add_argument(
-        "--response-bytes", type=_bounded("--response-bytes", 64, MAX_SLOT_BYTES), default=65536
-    )
-    serve.add_argument(
-        "--batch-deadline-s",
-        type=float,
-        default=30.0,
-        help="a batch running longer gets its worker killed and restarted, its requests an error",
-    )
-    serve.add_argument(
-        "--health-every-s",
-        type=_bounded("--health-every-s", 0.0, 3600.0, float),
-        default=HEALTH_EVERY_S,
-        help="the supervisor's health check period: its own client attaches, and no request "
-        f"sits READY for an idle worker (0: off; default {HEALTH_EVERY_S:g})",
-    )
-    serve.add_argument(
-        "--health-stuck-s",
-        type=_bounded("--health-stuck-s", 0.1, 3600.0, float),
-        default=HEALTH_STUCK_S,
-        help="a request READY this long while its worker is idle and claims nothing fails the "
-        f"check (default {HEALTH_STUCK_S:g})",
-    )
-    serve.add_argument(
-        "--health-grace-s",
-        type=_bounded("--health-grace-s", 0.0, 3600.0, float),
-        default=HEALTH_GRACE_S,
-        help="checks failing this long stop the watchdog pings and end the server with exit "
-        f"code 2 (default {HEALTH_GRACE_S:g})",
-    )
-    serve.add_argument("--cgroup-root", default=CGROUP_ROOT, help=argparse.SUPPRESS)  # tests
-    serve.add_argument("--min-batch", type=int, default=1)
-    serve.add_argument("--max-batch", type=int, default=16)
-    serve.add_argument(
-        "--max-wait-us", type=int, default=0, help="how long to wait for --min-batch requests"
-    )
-    serve.add_argument("--spin-us", type=int, default=50, help="idle spin before sleeping")
-    serve.add_argument(
-        "--sched",
-        choices=("infer", "always", "off"),
-        default="infer",
-        help="SCHED_FIFO while inferring, always, or never",
-    )
-    serve.add_argument("--rt-priority", type=int, default=10)
-    serve.add_argument("--slow-cpu-ms", type=float, default=100.0)
-    serve.add_argument("--slow-wall-ms", type=float, default=200.0)
-    serve.add_argument("--group", help="share segments with this group (mode 0660)")
-    serve.add_argument(
-        "--metrics-port",
-        type=_bounded("--metrics-port", 0, 65535),
-        help="serve /metrics on 127.0.0.1:PORT",
-    )
-    serve.add_argument(
-        "--metrics-textfile",
-        metavar="PATH",
-        help="write the metrics to PATH every --metrics-every-s seconds, atomically, for "
-        "node_exporter's textfile collector (PATH ends in .prom, or is linked from its "
-        "directory)",
-    )
-    serve.add_argument(
-        "--metrics-every-s",
-        type=_bounded("--metrics-every-s", 0.5, 3600.0, float),
-        default=10.0,
-        help="how often --metrics-textfile is rewritten (default 10)",
-    )
-    serve.set_defaults(func=cmd_serve)
-
-    smoke = sub.add_parser("smoke", help="N requests against a running server, with gates")
-    smoke.add_argument(
-        "--name",
-        help="the server; default: the running unit nearest to this process's CPUs "
-        "(as `shminfer where` picks it, among names matching --match)",
-    )
-    smoke.add_argument("--match", default="*", help="glob on unit names, without --name")
-    smoke.add_argument("-n", "--requests", type=int, default=1000)
-    smoke.add_argument("--warmup", type=int, default=50)
-    smoke.add_argument("--batch", type=int, default=1)
-    smoke.add_argument("--timeout", type=float, default=5.0)
-    smoke.add_argument("--ready-timeout", type=float, default=60.0)
-    smoke.add_argument("--max-p99-ms", type=float, default=50.0)
-    smoke.add_argument("--max-deschedule-p999-ms", type=float, default=1.0)
-    smoke.add_argument("--max-cpu-ratio", type=float, default=1.2)
-    smoke.add_argument("--max-errors", type=int, default=0)
-    smoke.add_argument("--max-slow-infer", type=int, default=0)
-    smoke.add_argument(
-        "--max-jitter",
-        type=float,
-        default=None,
-        help="fail when the round trip's standard deviation / mean exceeds this (e.g. 0.2)",
-    )
-    smoke.add_argument("--slow-cpu-ms", type=float, default=100.0)
-    smoke.add_argument("--slow-wall-ms", type=float, default=200.0)
-    smoke.add_argument("--format", choices=("table", "json"), default="table")
-    smoke.set_defaults(func=cmd_smoke)
-
-    probe = sub.add_parser("probe", help="health probe: workers ready, one request each")
-    probe.add_argument("--name", required=True)
-    probe.add_argument("--timeout", type=float, default=5.0)
-    probe.add_argument("--ready-timeout", type=float, default=60.0)
-    probe.set_defaults(func=cmd_probe)
-
-    stats = sub.add_parser("stats", help="percentiles from a running server's rings")
-    stats.add_argument("--name", required=True)
-    stats.add_argument("--format", choices=("json", "prometheus"), default="json")
-    stats.add_argument("--timeout", type=float, default=5.0)
-    stats.set_defaults(func=cmd_stats)
-
-    near = sub.add_parser(
-        "where", help="which unit a process on these CPUs would use (nearest by NUMA/L3), and why"
-    )
-    near.add_argument(
-        "--cpus", type=_cpulist, default=None, help="the caller's CPUs (default: this process's)"
-    )
-    near.add_argument("--match", default="*", help="only units whose name matches this glob")
-    near.add_argument("--root", default="/", help=argparse.SUPPRESS)  # a sysfs tree, for tests
-    near.add_argument("--format", choices=("text", "json"), default="text")
-    near.set_defaults(func=cmd_where)
-
-    model = sub.add_parser("make-model", help="write a small MLP (.npz + OpenVINO IR), no download")
-    model.add_argument("path")
-    model.add_argument("--inputs", type=int, default=64)
-    model.add_argument("--hidden", type=int, default=256)
-    model.add_argument("--outputs", type=int, default=16)
-    model.set_defaults(func=cmd_make_model)
-
-    bench = sub.add_parser("bench", help="benchmarks (ipc: this runtime vs baselines)")
-    bench.add_argument(
-        "what", choices=("ipc", "ray"), help="ipc: against other IPC; ray: against Ray actors"
-    )
-    bench.add_argument("--requests", type=_bounded("--requests", 1, 10**8), default=20000)
-    bench.add_argument("--idle-samples", type=int, default=10)
-    bench.add_argument("--client-cpu", type=int, default=0)
-    bench.add_argument("--server-cpu", type=int, default=1)
-    bench.add_argument(
-        "--variants", default="shminfer,shminfer_pure,pipe_pickle,tcp_pickle,sleep_poll,iceoryx2"
-    )
-    bench.add_argument("--format", choices=("table", "json"), default="table")
-    bench.set_defaults(func=cmd_bench)
-    return parser
 
 
 def main(argv=None) -> int:

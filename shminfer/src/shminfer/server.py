@@ -98,6 +98,44 @@ def _inherited(dup):
     return dup.detach()
 
 
+def _check_options(cpus, slots, batch_deadline_s, worker_options, health):
+    """Raise ValueError, one line, on options that cannot work together."""
+    if not cpus:
+        raise ValueError("at least one CPU is needed (--cpus)")
+    if not batch_deadline_s or batch_deadline_s <= 0:
+        raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
+    # Every setting together, before anything starts: one line on what cannot work.
+    check_settings(
+        cpus=cpus,
+        slots=slots,
+        batch_deadline_s=batch_deadline_s,
+        worker_options=worker_options or {},
+        health=health,
+    )
+
+
+def _check_affinity(cpus):
+    """Raise ValueError when ``cpus`` are not all in this process's affinity."""
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cpus) - allowed)
+    if outside:
+        raise ValueError(
+            f"CPUs {outside} are outside this process's affinity {sorted(allowed)}: "
+            "check --cpus against the unit's CPUAffinity"
+        )
+
+
+def _group_access(group):
+    """(gid, file mode) of the unit's files: 0660 and that group's, else 0600."""
+    if not group:
+        return None, 0o600
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"group {group!r} does not exist") from None
+    return gid, 0o660
+
+
 class Server(Leases):
     def __init__(
         self,
@@ -118,29 +156,12 @@ class Server(Leases):
         cgroup_root=CGROUP_ROOT,
     ):
         self.name = check_name(name)
-        if not cpus:
-            raise ValueError("at least one CPU is needed (--cpus)")
-        if not batch_deadline_s or batch_deadline_s <= 0:
-            raise ValueError(f"--batch-deadline-s must be > 0, got {batch_deadline_s}")
-        # Every setting together, before anything starts: one line on what cannot work.
-        check_settings(
-            cpus=cpus,
-            slots=slots,
-            batch_deadline_s=batch_deadline_s,
-            worker_options=worker_options or {},
-            health=health,
-        )
+        _check_options(cpus, slots, batch_deadline_s, worker_options, health)
         self.max_connections = connection_cap(len(cpus))
         self.health = Health(*health) if health[0] else None
         self.unhealthy = None  # why the health check gave up on this unit
         self.cgroup_root = cgroup_root
-        allowed = os.sched_getaffinity(0)
-        outside = sorted(set(cpus) - allowed)
-        if outside:
-            raise ValueError(
-                f"CPUs {outside} are outside this process's affinity {sorted(allowed)}: "
-                "check --cpus against the unit's CPUAffinity"
-            )
+        _check_affinity(cpus)
         self.cpus = list(cpus)
         self.numa_node = numa_node
         self.backend = backend
@@ -149,16 +170,13 @@ class Server(Leases):
         self.request_bytes = request_bytes
         self.response_bytes = response_bytes
         self.batch_deadline_s = float(batch_deadline_s)
-        self.gid = None
-        self.mode = 0o600
-        if group:
-            try:
-                self.gid = grp.getgrnam(group).gr_gid
-            except KeyError:
-                raise ValueError(f"group {group!r} does not exist") from None
-            self.mode = 0o660
+        self.gid, self.mode = _group_access(group)
         self.worker_options = dict(worker_options or {})
         self.backoff_min, self.backoff_max = restart_backoff_s
+        self._init_state()
+
+    def _init_state(self):
+        """What the running server keeps: segments, workers, leases, metrics, threads."""
         self.segments = {}
         self.processes = {}
         # cpu -> private [busy_since_ns, claims made, loaded] shared with that worker
