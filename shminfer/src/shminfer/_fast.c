@@ -1,7 +1,7 @@
 /* shminfer._fast: the optional C hot path (stable ABI, Python >= 3.9: one abi3 wheel).
  *
  * Same memory layout and semantics as the pure-Python path (queue.py, client.py,
- * worker.py): the per-request foreign calls and the stores, fences and spins around
+ * worker.py, answers.py): the per-request foreign calls and the stores, fences and spins around
  * them, and the worker's serve step for a request of a layout its slot had before (Loop,
  * below). Addresses are plain integers into the segment mapping, computed once by the
  * caller (_sys.address_of); the caller keeps the mapping alive (Loop holds an export).
