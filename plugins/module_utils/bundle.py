@@ -27,7 +27,7 @@ class BundleError(ValueError):
     """A member spec that cannot be bundled; the message says what to fix."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(CHUNK), b""):
@@ -60,7 +60,7 @@ def parse_members(specs: list[str]) -> dict[str, Path]:
     return members
 
 
-def _info(name: str, size: int, mode: int) -> tarfile.TarInfo:
+def tar_file_info(name: str, size: int, mode: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
     info.mtime = MTIME
@@ -147,7 +147,7 @@ def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
     sums: dict[str, list[str]] = {}
     for arcname in sorted(members):
         directory, name = arcname.split("/")
-        sums.setdefault(directory, []).append(f"{_sha256(members[arcname])}  {name}\n")
+        sums.setdefault(directory, []).append(f"{file_sha256(members[arcname])}  {name}\n")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
@@ -157,18 +157,19 @@ def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
             tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar,
         ):
             for directory in sorted(sums):
-                tar.addfile(_dir_info(directory))
+                tar.addfile(tar_dir_info(directory))
                 entries = sorted(a for a in members if a.startswith(directory + "/"))
                 for arcname in entries:
                     source = members[arcname]
                     with source.open("rb") as handle:
-                        tar.addfile(_info(arcname, source.stat().st_size, 0o644), handle)
+                        tar.addfile(tar_file_info(arcname, source.stat().st_size, 0o644), handle)
                 listing = "".join(sums[directory]).encode()
                 tar.addfile(
-                    _info(f"{directory}/SHA256SUMS", len(listing), 0o644), io.BytesIO(listing)
+                    tar_file_info(f"{directory}/SHA256SUMS", len(listing), 0o644),
+                    io.BytesIO(listing),
                 )
-        digest = _sha256(Path(tmp))
-        changed = not (out.is_file() and _sha256(out) == digest)
+        digest = file_sha256(Path(tmp))
+        changed = not (out.is_file() and file_sha256(out) == digest)
         if changed:
             os.chmod(tmp, 0o644)
             os.replace(tmp, out)
@@ -188,7 +189,7 @@ def write_bundle(out: str | os.PathLike, specs: list[str]) -> dict:
     }
 
 
-def _dir_info(name: str) -> tarfile.TarInfo:
-    info = _info(name, 0, 0o755)
+def tar_dir_info(name: str) -> tarfile.TarInfo:
+    info = tar_file_info(name, 0, 0o755)
     info.type = tarfile.DIRTYPE
     return info

@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check a sampler manifest: schemas, Guaranteed, mounts, group, threads",
         description=(
             "Check the Kubernetes manifest(s) of a sampler workload the way rtfleet checks "
-            "its own (templates/sampler.yaml.j2): valid against Kubernetes' schemas, "
+            "its own (the rtfleet_sampler role's sampler.yaml.j2): valid against Kubernetes' "
+            "schemas, "
             "Guaranteed with whole CPUs, only the host's /run/shminfer mounted, read-only, "
             "the runtime's group in supplementalGroups, no host IPC, a read-only root, no "
             "added capability, every math library's threads = its CPUs. Prints one line per "

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import ATTACHED, BIN, HOST, REPO, kill_controller
 
+from rtfleet.drift_checks import CHECKS
+
 FILES = Path(__file__).resolve().parent / "files"
 
 pytestmark = pytest.mark.drill
@@ -29,16 +31,7 @@ TRIAL_REBOOT = r"^TASK \[rtfleet\.fleet\.rtfleet_host : Reboot into the trial en
 GRUB_WRITTEN = r"^TASK \[rtfleet\.fleet\.rtfleet_host : Note the reboot is pending\]"
 # The drift guard's checks of what the host role sets (kubelet and the runtime are their own
 # drills' business).
-DRIFT_CHECKS = (
-    "cmdline",
-    "isolation",
-    "irqs",
-    "irqbalance",
-    "tuned",
-    "sysctls",
-    "hugepages",
-    "governor",
-)
+DRIFT_CHECKS = tuple(c for c in CHECKS if c not in ("units", "unit_threads", "kubelet"))
 
 
 def marker(n: int) -> list[str]:

@@ -1,5 +1,5 @@
-"""The sampler workload for Kubernetes (templates/sampler.yaml.j2, rtfleet.sampler,
-playbooks/samplers.yml, `rtfleet sampler-check`).
+"""The sampler workload for Kubernetes (roles/rtfleet_sampler: its sampler.yaml.j2 and
+tasks; rtfleet.sampler; playbooks/samplers.yml; `rtfleet sampler-check`).
 
 The manifest is rendered from plans of server trees (256-CPU EPYC with SMT, NPS4 with
 CPU-less CXL nodes, a memoryless socket, the captured lab server) and validated offline
@@ -42,7 +42,7 @@ LAB_POLICY = {
     "partial_l3_groups": "pod_pool",
     "runtime_threads": "one_thread_per_core",
 }
-TEMPLATE = REPO / "templates/sampler.yaml.j2"
+TEMPLATE = REPO / "roles/rtfleet_sampler/templates/sampler.yaml.j2"
 GID, UID = 991, 992
 
 
@@ -407,4 +407,4 @@ def test_the_samplers_playbook_writes_the_manifest_under_limit(plans, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "no hosts matched" not in run.stdout
     assert check_manifest_text((out / "sampler-lab.yaml").read_text(), gid=0) == []
-    assert run.stdout.count("TASK [Write it]") == 1, run.stdout[-3000:]
+    assert run.stdout.count("rtfleet_sampler : Write it]") == 1, run.stdout[-3000:]

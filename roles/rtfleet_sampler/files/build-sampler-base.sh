@@ -1,13 +1,14 @@
 #!/bin/bash
 # Build the base of the lab's sampler container image: a Debian 12 (bookworm) root file
-# system with Python, as a tar for `podman import` on a lab host (no registry anywhere).
+# system with Python, as a tar (no registry anywhere).
 #
-#   lab/build-sampler-base.sh [--force]
+#   build-sampler-base.sh [--force] [DIR]
 #
-# Prints the tar's path. It lands in ${RTFLEET_CACHE_DIR:-$HOME/.cache/rtfleet}/images/,
+# Prints the tar's path. It lands in DIR (default ${RTFLEET_CACHE_DIR:-$HOME/.cache/rtfleet}/images),
 # named after a hash of this script, and is rebuilt only when the script changes. The
-# sampler image itself (this base + the runtime's own wheels) is built on the lab host by
-# playbooks/samplers.yml; Debian packages only, like lab/build-image.sh.
+# sampler image itself (this base + the runtime's own wheels) is built from it on the
+# controller too (rtfleet.fleet.sampler_image, the rtfleet_sampler role's container entry
+# point); Debian packages only, like the lab's VM image (lab/build-image.sh).
 set -euo pipefail
 
 SUITE=bookworm
@@ -16,11 +17,13 @@ SECURITY_MIRROR=http://deb.debian.org/debian-security
 PACKAGES=python3,python3-venv
 
 force=0
+images_dir=${RTFLEET_CACHE_DIR:-$HOME/.cache/rtfleet}/images
 for arg in "$@"; do
     case "$arg" in
         --force) force=1 ;;
-        -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "build-sampler-base.sh: unknown argument: $arg" >&2; exit 2 ;;
+        -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "build-sampler-base.sh: unknown option: $arg" >&2; exit 2 ;;
+        *) images_dir=$arg ;;
     esac
 done
 
@@ -28,7 +31,6 @@ command -v mmdebstrap >/dev/null || {
     echo "build-sampler-base.sh: error: mmdebstrap is missing (make deps installs it)" >&2
     exit 1
 }
-images_dir=${RTFLEET_CACHE_DIR:-$HOME/.cache/rtfleet}/images
 hash=$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-12)
 out=$images_dir/sampler-base-$SUITE-$hash.tar
 mkdir -p "$images_dir"

@@ -1,0 +1,243 @@
+"""The lab's sampler image (module_utils/sampler_image, the sampler_image module), built on
+the controller from a base root file system and the runtime bundle the node runs.
+
+The bundle is written by the runtime role's own bundler (bundle.write_bundle) from a real
+pure-Python shminfer wheel built here; the image tar is unpacked and its launcher and
+packages are run with this Python, from the image's import path only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_local_playbook
+
+from ansible_collections.rtfleet.fleet.plugins.module_utils.bundle import file_sha256, write_bundle
+from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler_image import (
+    IMPORT_CHANGES,
+    ImageError,
+    build_image,
+    find_bundle,
+)
+
+
+def _base(path, names=("./", "./usr/", "./usr/bin/", "./opt/", "./etc/")):
+    """A root file system's tar as mmdebstrap writes it (names under ./, a symlink)."""
+    with tarfile.open(path, "w") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name.rstrip("/") or ".")
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o755
+            tar.addfile(info)
+        release = b"PRETTY_NAME=base\n"
+        info = tarfile.TarInfo("./etc/os-release")
+        info.size = len(release)
+        tar.addfile(info, io.BytesIO(release))
+        link = tarfile.TarInfo("./bin")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "usr/bin"
+        tar.addfile(link)
+    return path
+
+
+def _wheel(path, files):
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shminfer_wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+         "-w", str(out), str(REPO / "shminfer")],
+        env={**os.environ, "SHMINFER_BUILD": "pure", "SOURCE_DATE_EPOCH": "315532800"},
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    (wheel,) = out.glob("shminfer-*.whl")
+    return wheel
+
+
+def _wheelhouse(tmp_path, shminfer_wheel, *extra):
+    wheelhouse = tmp_path / "wheelhouse"
+    openvino = _wheel(
+        tmp_path / "openvino-2026.4.0-cp311-cp311-linux_x86_64.whl",
+        {"openvino/__init__.py": "raise ImportError('not in the image')\n"},
+    )
+    members = ["wheels=%s" % shminfer_wheel, "wheels=%s" % openvino, "models=%s" % openvino]
+    members += ["wheels=%s" % path for path in extra]
+    result = write_bundle(wheelhouse / "bundle-cp311-x86_64.tar", members)
+    return wheelhouse, result["sha256"]
+
+
+def _members(tar_path):
+    with tarfile.open(tar_path) as tar:
+        return {m.name: m for m in tar}
+
+
+def test_the_image_holds_the_base_the_wheels_but_openvino_and_a_launcher_that_runs(
+    tmp_path, shminfer_wheel
+):
+    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    base = _base(tmp_path / "sampler-base-bookworm-0123456789ab.tar")
+    bundle = find_bundle(wheelhouse, sha)
+    built = build_image(base, bundle, tmp_path / "images")
+    assert built["changed"] and built["tag"] == "localhost/rtfleet-sampler:" + built["name"]
+    assert built["changes"] == list(IMPORT_CHANGES)
+
+    members = _members(built["path"])
+    for name in ("./etc/os-release", "./bin", "./opt/sampler", "./opt/sampler/site"):
+        assert name in members, name
+    assert members["./bin"].issym() and members["./opt/sampler/site"].isdir()
+    assert members["./usr/local/bin/shminfer"].mode == 0o755
+    assert "./opt/sampler/site/shminfer/client.py" in members
+    assert not [n for n in members if "openvino" in n or "/models" in n]
+    assert all(m.uid == 0 and m.gid == 0 for m in members.values())
+    assert len([n for n in members if n.rstrip("/") == "./usr"]) == 1, "a directory twice"
+
+    root = tmp_path / "root"
+    with tarfile.open(built["path"]) as tar:
+        tar.extractall(root, filter="fully_trusted")
+    env = {"PYTHONPATH": str(root / "opt/sampler/site"), "PYTHONDONTWRITEBYTECODE": "1"}
+    where = subprocess.run(
+        [sys.executable, "-c", "import shminfer.client; print(shminfer.client.__file__)"],
+        env={**os.environ, **env}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert where.stdout.startswith(str(root / "opt/sampler/site/shminfer/")), where.stdout
+    launched = subprocess.run(
+        [sys.executable, str(root / "usr/local/bin/shminfer"), "--help"],
+        env={**os.environ, **env}, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert launched.returncode == 0 and "probe" in launched.stdout, launched.stderr[-2000:]
+    assert not list(root.rglob("__pycache__")), "nothing byte-compiled in the image"
+
+
+def test_the_same_inputs_name_the_same_image_and_it_is_built_once(tmp_path, shminfer_wheel):
+    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    base = _base(tmp_path / "base-1.tar")
+    first = build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
+    again = build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
+    assert first["changed"] and not again["changed"] and again["path"] == first["path"]
+    other_base = _base(tmp_path / "base-2.tar")
+    other = build_image(other_base, find_bundle(wheelhouse, sha), tmp_path / "images")
+    assert other["name"] != first["name"]
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(
+        {os.path.basename(first["path"]), os.path.basename(other["path"])}
+    ), "no temporary file left"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("not-a-sha", "names bundle 'not-a-sha', not a SHA-256"),
+        ("another-bundle", "no bundle in .* is the one the node runs"),
+        ("base-missing", "is missing: build it"),
+        ("base-not-a-tar", "not a tar"),
+        ("base-empty", "is an empty tar"),
+        ("wheel-escapes", "member '../../etc/cron.d/x' leaves its directory"),
+        ("wheel-absolute", "member '/etc/passwd' leaves its directory"),
+        ("wheel-not-a-zip", "is not a wheel"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_no_image(tmp_path, shminfer_wheel, case, message):
+    extra = []
+    if case == "wheel-escapes":
+        extra = [_wheel(tmp_path / "evil-1-py3-none-any.whl", {"../../etc/cron.d/x": "* * * * *"})]
+    elif case == "wheel-absolute":
+        extra = [_wheel(tmp_path / "evil-1-py3-none-any.whl", {"/etc/passwd": "x"})]
+    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel, *extra)
+    if case == "wheel-not-a-zip":  # the bundler refuses one: a bundle written by other hands
+        broken = b"PK\x03\x04 not really"
+        with tarfile.open(wheelhouse / "bundle-cp311-x86_64.tar", "w") as tar:
+            info = tarfile.TarInfo("wheels/broken-1-py3-none-any.whl")
+            info.size = len(broken)
+            tar.addfile(info, io.BytesIO(broken))
+        sha = file_sha256(wheelhouse / "bundle-cp311-x86_64.tar")
+    base = _base(tmp_path / "base.tar")
+    if case == "base-missing":
+        base = tmp_path / "nothing.tar"
+    elif case == "base-not-a-tar":
+        base.write_bytes(b"\x00" * 10 + b"not a tar at all" * 64)
+    elif case == "base-empty":
+        tarfile.open(base, "w").close()
+    sha = {"not-a-sha": "not-a-sha", "another-bundle": "0" * 64}.get(case, sha)
+    with pytest.raises(ImageError, match=message) as raised:
+        build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "images").exists() or not list((tmp_path / "images").iterdir())
+
+
+def test_the_module_builds_the_image_of_the_nodes_bundle(tmp_path, shminfer_wheel):
+    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    base = _base(tmp_path / "base.tar")
+    task = {
+        "rtfleet.fleet.sampler_image": {
+            "base": str(base),
+            "wheelhouse": str(wheelhouse),
+            "bundle_sha256": "%s\n" % sha,  # as the node's .complete holds it
+            "dest": str(tmp_path / "images"),
+        }
+    }
+    args = task["rtfleet.fleet.sampler_image"]
+    bad = {
+        "rtfleet.fleet.sampler_image": {**args, "bundle_sha256": "f" * 64},
+        "ignore_errors": True,
+    }
+    play = [{"hosts": "localhost", "gather_facts": False, "tasks": [task, task, bad]}]
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump(play))
+    run = run_local_playbook(playbook, ANSIBLE_STDOUT_CALLBACK="json")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    results = [t["hosts"]["localhost"] for t in json.loads(run.stdout)["plays"][0]["tasks"]]
+    assert results[0]["changed"] and not results[1]["changed"]
+    assert results[0]["bundle"] == str(wheelhouse / "bundle-cp311-x86_64.tar")
+    assert file_sha256(wheelhouse / "bundle-cp311-x86_64.tar") == sha
+    assert results[2]["failed"] and results[2]["msg"].startswith("rtfleet sampler image: no bundle")
+
+
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed here")
+def test_podman_imports_the_image_with_its_environment_and_user(tmp_path, shminfer_wheel):
+    """What the role does on a node: one `podman import` with the returned changes."""
+    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    built = build_image(_base(tmp_path / "base.tar"), find_bundle(wheelhouse, sha), tmp_path)
+    tag = built["tag"] + "-test"
+    changes = ["--change=" + change for change in built["changes"]]
+    runroot = tempfile.mkdtemp(prefix="rtfleet-podman-", dir="/tmp")  # podman: <= 50 characters
+    podman = ["podman", "--root", str(tmp_path / "store"), "--runroot", runroot]
+    try:
+        subprocess.run([*podman, "import", "--quiet", *changes, built["path"], tag], check=True)
+        (config,) = json.loads(
+            subprocess.run(
+                [*podman, "image", "inspect", tag], check=True, capture_output=True
+            ).stdout
+        )
+        assert config["Config"]["Env"] == [
+            "PYTHONPATH=/opt/sampler/site",
+            "PYTHONDONTWRITEBYTECODE=1",
+        ]
+        assert config["Config"]["User"] == "65534:65534"
+        mount = subprocess.run(
+            [*podman, "image", "mount", tag], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        root = Path(mount)
+        assert (root / "usr/local/bin/shminfer").stat().st_mode & 0o777 == 0o755
+        assert (root / "opt/sampler/site/shminfer/client.py").is_file()
+        assert (root / "etc/os-release").read_text() == "PRETTY_NAME=base\n"
+    finally:
+        subprocess.run([*podman, "image", "unmount", "--all"], check=False, capture_output=True)
+        subprocess.run([*podman, "system", "reset", "--force"], check=False, capture_output=True)
+        shutil.rmtree(runroot, ignore_errors=True)
