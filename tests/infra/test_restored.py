@@ -52,3 +52,6 @@ def test_nothing_of_rtfleet_is_left(host, original):
     before = {Path(p).name for p in original.get("rtfleet_paths", []) if "/systemd/" in p}
     units = [line.split()[0] for line in listed.splitlines() if line.strip()]
     assert [unit for unit in units if unit not in before] == [], listed
+    if host.exists("podman"):  # the containerised sampler's images (rtfleet_sampler's remove)
+        images = host.check_output("podman images --format '{{.Repository}}:{{.Tag}}'")
+        assert [i for i in images.split() if i.startswith("localhost/rtfleet-sampler")] == []

@@ -24,6 +24,7 @@ CHANGES_A_HOST = {
     "rtfleet_kubelet": ["main", "node", "rollback", "restore"],
     "rtfleet_runtime": ["main", "rollback", "remove"],
     "rtfleet_postcheck": ["main"],
+    "rtfleet_sampler": ["main", "remove"],
 }
 # Read-only on any host (assess previews the plan of any host) or on the controller only.
 ANY_HOST = {

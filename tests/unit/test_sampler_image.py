@@ -241,3 +241,53 @@ def test_podman_imports_the_image_with_its_environment_and_user(tmp_path, shminf
         subprocess.run([*podman, "image", "unmount", "--all"], check=False, capture_output=True)
         subprocess.run([*podman, "system", "reset", "--force"], check=False, capture_output=True)
         shutil.rmtree(runroot, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed here")
+def test_restores_remove_takes_off_the_sampler_images_and_no_other(tmp_path):
+    """rtfleet_sampler's `remove` (rtfleet.fleet.restore) in a podman store of its own."""
+    runroot = tempfile.mkdtemp(prefix="rtfleet-podman-", dir="/tmp")
+    conf = tmp_path / "storage.conf"
+    conf.write_text(
+        '[storage]\ndriver = "overlay"\ngraphroot = "%s"\nrunroot = "%s"\n'
+        % (tmp_path / "store", runroot)
+    )
+    env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(conf)}
+    base = _base(tmp_path / "base.tar")
+    names = ["localhost/rtfleet-sampler:0123456789ab", "localhost/rtfleet-sampler-base:x"]
+    names += ["localhost/other:1", "localhost/rtfleet-samplers-of-mine:1"]
+
+    def listed():
+        out = subprocess.run(
+            ["podman", "images", "--format", "json"], env=env, check=True, capture_output=True
+        ).stdout
+        return sorted({n for image in json.loads(out) for n in image.get("Names") or []})
+
+    play = [
+        {
+            "hosts": "localhost",
+            "gather_facts": False,
+            "tasks": [
+                {
+                    "ansible.builtin.include_role": {
+                        "name": "rtfleet.fleet.rtfleet_sampler",
+                        "tasks_from": "remove",
+                    }
+                }
+            ],
+        }
+    ]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
+    try:
+        for name in names:
+            subprocess.run(["podman", "import", "-q", str(base), name], env=env, check=True)
+        assert listed() == sorted(names)
+        run = run_local_playbook(tmp_path / "play.yml", CONTAINERS_STORAGE_CONF=str(conf))
+        assert run.returncode == 0, run.stdout[-3000:]
+        assert listed() == ["localhost/other:1", "localhost/rtfleet-samplers-of-mine:1"]
+        again = run_local_playbook(tmp_path / "play.yml", CONTAINERS_STORAGE_CONF=str(conf))
+        assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-3000:]
+    finally:
+        reset = ["podman", "system", "reset", "-f"]
+        subprocess.run(reset, check=False, env=env, capture_output=True)
+        shutil.rmtree(runroot, ignore_errors=True)
