@@ -1,14 +1,15 @@
 """The lab's sampler container image, built on the controller.
 
 Where no kubelet can be had, the rtfleet_sampler role runs each host's sampler manifest with
-podman (its ``container`` entry point). The image is a Debian root file system (the base tar
-that the role's ``files/build-sampler-base.sh`` builds from Debian packages) plus the
-runtime's own wheels, from the bundle the node runs, unpacked onto an import path (a wheel is
-a zip: no pip, nothing byte-compiled; OpenVINO stays out, the sampler is a client) and a
+podman (its ``container`` step). The image is a Debian root file system (the base tar that
+the role's ``files/build-sampler-base.sh`` builds from Debian packages) plus the runtime's
+own wheels, fetched from the node's serving release (so the image always matches what the
+node runs, whichever rollout put it there), unpacked onto an import path (a wheel is a zip:
+no pip, nothing byte-compiled; OpenVINO stays out, the sampler is a client), and a
 ``shminfer`` launcher. It is one tar, gzipped at level 1 (a third of the bytes to ship for
 a second's work), which the node turns into an image with one ``podman import``
-(``IMPORT_CHANGES``). It is built here and not on the node because, under
-emulation, a ``podman build`` of the same image took 7 minutes of a CI run.
+(``IMPORT_CHANGES``). It is built here and not on the node because, under emulation, a
+``podman build`` of the same image took 7 minutes of a CI run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import gzip
 import hashlib
 import io
 import os
-import re
 import tarfile
 import tempfile
 import zipfile
@@ -47,68 +47,51 @@ class ImageError(ValueError):
     """An input the image cannot be built from; the message says what to fix."""
 
 
-def find_bundle(wheelhouse: str | os.PathLike, sha256: str) -> Path:
-    """The bundle in WHEELHOUSE whose SHA-256 is SHA256 (what the node's `.complete` holds)."""
-    if not re.fullmatch(r"[0-9a-f]{64}", sha256 or ""):
-        raise ImageError(
-            f"the node's release names bundle {sha256!r}, not a SHA-256: run the runtime "
-            "step (rtfleet.fleet.runtime) on it again"
-        )
-    for path in sorted(Path(wheelhouse).glob("bundle-*.tar")):
-        if file_sha256(path) == sha256:
-            return path
-    raise ImageError(
-        f"no bundle in {wheelhouse} is the one the node runs ({sha256[:12]}): run the "
-        "runtime step (rtfleet.fleet.runtime) from this controller first"
+def _wheel_paths(wheels: Path) -> list[Path]:
+    """The wheels in WHEELS that go into the image, by name."""
+    if not wheels.is_dir():
+        raise ImageError(f"{wheels} is not a directory of wheels: fetch the node's wheels first")
+    found = sorted(
+        path
+        for path in wheels.iterdir()
+        if path.is_file()
+        and path.name.endswith(".whl")
+        and not path.name.lower().startswith(LEFT_OUT)
     )
+    if not found:
+        raise ImageError(f"{wheels} holds no wheel for the sampler: fetch the node's wheels again")
+    return found
 
 
-def image_name(base: Path, bundle_sha256: str) -> str:
-    """The image's name: its inputs' (the base's name carries its builder's hash)."""
-    key = f"{FORMAT}\0{base.name}\0{base.stat().st_size}\0{bundle_sha256}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+def image_name(base: Path, wheels: list[Path]) -> str:
+    """The image's name, from its inputs: the base's name (which carries its builder's
+    hash) and size, and each wheel's name and SHA-256."""
+    key = [str(FORMAT), base.name, str(base.stat().st_size)]
+    key += [f"{path.name}={file_sha256(path)}" for path in wheels]
+    return hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]
 
 
 def _inside(name: str, where: str) -> str:
     path = PurePosixPath(name)
     if not name or name.startswith("/") or ".." in path.parts or "\\" in name:
-        raise ImageError(f"{where}: member {name!r} leaves its directory: build the bundle again")
+        raise ImageError(f"{where}: member {name!r} leaves its directory: not a wheel to use")
     return str(path)
 
 
-def _wheels(bundle: Path):
-    """(name, bytes) of each wheel in the bundle that goes into the image."""
-    try:
-        with tarfile.open(bundle, "r:") as tar:
-            for member in tar:
-                parts = PurePosixPath(member.name).parts
-                if not (member.isreg() and len(parts) == 2 and parts[0] == "wheels"):
-                    continue
-                if not parts[1].endswith(".whl") or parts[1].lower().startswith(LEFT_OUT):
-                    continue
-                yield parts[1], tar.extractfile(member).read()
-    except tarfile.TarError as exc:
-        raise ImageError(f"{bundle}: not a runtime bundle ({exc}): build it again") from None
-
-
-def image_files(bundle: Path) -> dict[str, tuple[bytes, int]]:
+def image_files(wheels: list[Path]) -> dict[str, tuple[bytes, int]]:
     """{path in the image: (bytes, mode)}: every wheel's files under SITE, the launcher."""
     files: dict[str, tuple[bytes, int]] = {}
-    wheels = 0
-    for wheel, data in _wheels(bundle):
-        wheels += 1
+    for wheel in wheels:
         try:
-            with zipfile.ZipFile(io.BytesIO(data)) as whl:
+            with zipfile.ZipFile(wheel) as whl:
                 for info in whl.infolist():
                     if info.is_dir():
                         continue
-                    path = f"{SITE}/{_inside(info.filename, wheel)}"
+                    path = f"{SITE}/{_inside(info.filename, wheel.name)}"
                     mode = 0o755 if (info.external_attr >> 16) & 0o111 else 0o644
                     files[path] = (whl.read(info), mode)
         except (zipfile.BadZipFile, zipfile.LargeZipFile) as exc:
-            raise ImageError(f"{bundle}: {wheel} is not a wheel ({exc}): build it again") from None
-    if not wheels:
-        raise ImageError(f"{bundle} holds no wheel for the sampler: build it again")
+            raise ImageError(f"{wheel} is not a wheel ({exc}): fetch it again") from None
     files[LAUNCHER_PATH] = (LAUNCHER, 0o755)
     return files
 
@@ -137,23 +120,24 @@ def _write(out: Path, base: Path, files: dict[str, tuple[bytes, int]]) -> None:
 
 
 def build_image(
-    base: os.PathLike | str, bundle: os.PathLike | str, dest: os.PathLike | str
+    base: os.PathLike | str, wheels: os.PathLike | str, dest: os.PathLike | str
 ) -> dict:
-    """Write DEST/sampler-NAME.tar.gz from BASE and BUNDLE unless it is there already.
+    """Write DEST/sampler-NAME.tar.gz from BASE and the wheels in WHEELS unless it is there.
 
     Returns {"path", "name", "tag", "changes", "changed"}; the tar is replaced atomically, so
     a killed build leaves no image behind that a later run would take.
     """
-    base, bundle, dest = Path(base), Path(bundle), Path(dest)
+    base, dest = Path(base), Path(dest)
     if not base.is_file():
         raise ImageError(f"{base} is missing: build it (build-sampler-base.sh)")
-    name = image_name(base, file_sha256(bundle))
+    found = _wheel_paths(Path(wheels))
+    name = image_name(base, found)
     out = dest / f"sampler-{name}.tar.gz"
     result = {"path": str(out), "name": name, "tag": f"{TAG}:{name}"}
     result["changes"] = list(IMPORT_CHANGES)
     if out.is_file():
         return {**result, "changed": False}
-    files = image_files(bundle)
+    files = image_files(found)
     dest.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=dest)
     os.close(fd)

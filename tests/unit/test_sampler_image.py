@@ -1,9 +1,10 @@
 """The lab's sampler image (module_utils/sampler_image, the sampler_image module), built on
-the controller from a base root file system and the runtime bundle the node runs.
+the controller from a base root file system and the runtime's wheels fetched from a node.
 
-The bundle is written by the runtime role's own bundler (bundle.write_bundle) from a real
-pure-Python shminfer wheel built here; the image tar is unpacked and its launcher and
-packages are run with this Python, from the image's import path only.
+The wheels are a release's as the runtime role leaves it on a node: its bundler
+(bundle.write_bundle) packs a real pure-Python shminfer wheel built here, and the bundle is
+unpacked. The image tar is unpacked and its launcher and packages are run with this Python,
+from the image's import path only.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import pytest
 import yaml
 from conftest import REPO, run_local_playbook
 
-from ansible_collections.rtfleet.fleet.plugins.module_utils.bundle import file_sha256, write_bundle
+from ansible_collections.rtfleet.fleet.plugins.module_utils.bundle import write_bundle
 from ansible_collections.rtfleet.fleet.plugins.module_utils.sampler_image import (
     IMPORT_CHANGES,
     ImageError,
     build_image,
-    find_bundle,
 )
 
 
@@ -72,16 +72,20 @@ def shminfer_wheel(tmp_path_factory):
     return wheel
 
 
-def _wheelhouse(tmp_path, shminfer_wheel, *extra):
-    wheelhouse = tmp_path / "wheelhouse"
+def _release(tmp_path, shminfer_wheel, *extra):
+    """The wheels directory of a node's release: a bundle as the runtime role writes it
+    (with OpenVINO and a model), unpacked."""
     openvino = _wheel(
         tmp_path / "openvino-2026.4.0-cp311-cp311-linux_x86_64.whl",
         {"openvino/__init__.py": "raise ImportError('not in the image')\n"},
     )
     members = ["wheels=%s" % shminfer_wheel, "wheels=%s" % openvino, "models=%s" % openvino]
     members += ["wheels=%s" % path for path in extra]
-    result = write_bundle(wheelhouse / "bundle-cp311-x86_64.tar", members)
-    return wheelhouse, result["sha256"]
+    bundle = write_bundle(tmp_path / "bundle-cp311-x86_64.tar", members)["path"]
+    release = tmp_path / "release"
+    with tarfile.open(bundle) as tar:
+        tar.extractall(release, filter="data")
+    return release / "wheels"
 
 
 def _members(tar_path):
@@ -92,10 +96,9 @@ def _members(tar_path):
 def test_the_image_holds_the_base_the_wheels_but_openvino_and_a_launcher_that_runs(
     tmp_path, shminfer_wheel
 ):
-    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    wheels = _release(tmp_path, shminfer_wheel)
     base = _base(tmp_path / "sampler-base-bookworm-0123456789ab.tar")
-    bundle = find_bundle(wheelhouse, sha)
-    built = build_image(base, bundle, tmp_path / "images")
+    built = build_image(base, wheels, tmp_path / "images")
     assert built["changed"] and built["tag"] == "localhost/rtfleet-sampler:" + built["name"]
     assert built["changes"] == list(IMPORT_CHANGES)
 
@@ -127,24 +130,25 @@ def test_the_image_holds_the_base_the_wheels_but_openvino_and_a_launcher_that_ru
 
 
 def test_the_same_inputs_name_the_same_image_and_it_is_built_once(tmp_path, shminfer_wheel):
-    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
+    wheels = _release(tmp_path, shminfer_wheel)
     base = _base(tmp_path / "base-1.tar")
-    first = build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
-    again = build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
+    first = build_image(base, wheels, tmp_path / "images")
+    again = build_image(base, wheels, tmp_path / "images")
     assert first["changed"] and not again["changed"] and again["path"] == first["path"]
-    other_base = _base(tmp_path / "base-2.tar")
-    other = build_image(other_base, find_bundle(wheelhouse, sha), tmp_path / "images")
-    assert other["name"] != first["name"]
+    other = build_image(_base(tmp_path / "base-2.tar"), wheels, tmp_path / "images")
+    _wheel(wheels / "extra-1-py3-none-any.whl", {"extra/__init__.py": ""})
+    newer = build_image(base, wheels, tmp_path / "images")
+    assert len({first["name"], other["name"], newer["name"]}) == 3
     assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(
-        {os.path.basename(first["path"]), os.path.basename(other["path"])}
+        os.path.basename(b["path"]) for b in (first, other, newer)
     ), "no temporary file left"
 
 
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("not-a-sha", "names bundle 'not-a-sha', not a SHA-256"),
-        ("another-bundle", "no bundle in .* is the one the node runs"),
+        ("no-wheels-dir", "is not a directory of wheels"),
+        ("no-wheels", "holds no wheel for the sampler"),
         ("base-missing", "is missing: build it"),
         ("base-not-a-tar", "not a tar"),
         ("base-empty", "is an empty tar"),
@@ -154,19 +158,18 @@ def test_the_same_inputs_name_the_same_image_and_it_is_built_once(tmp_path, shmi
     ],
 )
 def test_bad_input_is_one_line_and_writes_no_image(tmp_path, shminfer_wheel, case, message):
-    extra = []
+    wheels = _release(tmp_path, shminfer_wheel)
     if case == "wheel-escapes":
-        extra = [_wheel(tmp_path / "evil-1-py3-none-any.whl", {"../../etc/cron.d/x": "* * * * *"})]
+        _wheel(wheels / "evil-1-py3-none-any.whl", {"../../etc/cron.d/x": "* * * * *"})
     elif case == "wheel-absolute":
-        extra = [_wheel(tmp_path / "evil-1-py3-none-any.whl", {"/etc/passwd": "x"})]
-    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel, *extra)
-    if case == "wheel-not-a-zip":  # the bundler refuses one: a bundle written by other hands
-        broken = b"PK\x03\x04 not really"
-        with tarfile.open(wheelhouse / "bundle-cp311-x86_64.tar", "w") as tar:
-            info = tarfile.TarInfo("wheels/broken-1-py3-none-any.whl")
-            info.size = len(broken)
-            tar.addfile(info, io.BytesIO(broken))
-        sha = file_sha256(wheelhouse / "bundle-cp311-x86_64.tar")
+        _wheel(wheels / "evil-1-py3-none-any.whl", {"/etc/passwd": "x"})
+    elif case == "wheel-not-a-zip":
+        (wheels / "broken-1-py3-none-any.whl").write_bytes(b"PK\x03\x04 not really")
+    elif case == "no-wheels":
+        for path in wheels.glob("shminfer-*.whl"):
+            path.unlink()  # openvino's is left: not one for the image
+    elif case == "no-wheels-dir":
+        wheels = tmp_path / "nowhere"
     base = _base(tmp_path / "base.tar")
     if case == "base-missing":
         base = tmp_path / "nothing.tar"
@@ -174,27 +177,19 @@ def test_bad_input_is_one_line_and_writes_no_image(tmp_path, shminfer_wheel, cas
         base.write_bytes(b"\x00" * 10 + b"not a tar at all" * 64)
     elif case == "base-empty":
         tarfile.open(base, "w").close()
-    sha = {"not-a-sha": "not-a-sha", "another-bundle": "0" * 64}.get(case, sha)
     with pytest.raises(ImageError, match=message) as raised:
-        build_image(base, find_bundle(wheelhouse, sha), tmp_path / "images")
+        build_image(base, wheels, tmp_path / "images")
     assert "\n" not in str(raised.value)
     assert not (tmp_path / "images").exists() or not list((tmp_path / "images").iterdir())
 
 
-def test_the_module_builds_the_image_of_the_nodes_bundle(tmp_path, shminfer_wheel):
-    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
-    base = _base(tmp_path / "base.tar")
-    task = {
-        "rtfleet.fleet.sampler_image": {
-            "base": str(base),
-            "wheelhouse": str(wheelhouse),
-            "bundle_sha256": "%s\n" % sha,  # as the node's .complete holds it
-            "dest": str(tmp_path / "images"),
-        }
-    }
-    args = task["rtfleet.fleet.sampler_image"]
+def test_the_module_builds_the_image_once(tmp_path, shminfer_wheel):
+    wheels = _release(tmp_path, shminfer_wheel)
+    args = {"base": str(_base(tmp_path / "base.tar")), "wheels": str(wheels)}
+    args["dest"] = str(tmp_path / "images")
+    task = {"rtfleet.fleet.sampler_image": args}
     bad = {
-        "rtfleet.fleet.sampler_image": {**args, "bundle_sha256": "f" * 64},
+        "rtfleet.fleet.sampler_image": {**args, "wheels": str(tmp_path / "nowhere")},
         "ignore_errors": True,
     }
     play = [{"hosts": "localhost", "gather_facts": False, "tasks": [task, task, bad]}]
@@ -204,16 +199,19 @@ def test_the_module_builds_the_image_of_the_nodes_bundle(tmp_path, shminfer_whee
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     results = [t["hosts"]["localhost"] for t in json.loads(run.stdout)["plays"][0]["tasks"]]
     assert results[0]["changed"] and not results[1]["changed"]
-    assert results[0]["bundle"] == str(wheelhouse / "bundle-cp311-x86_64.tar")
-    assert file_sha256(wheelhouse / "bundle-cp311-x86_64.tar") == sha
-    assert results[2]["failed"] and results[2]["msg"].startswith("rtfleet sampler image: no bundle")
+    assert results[0]["tag"] == "localhost/rtfleet-sampler:" + results[0]["name"]
+    assert Path(results[0]["path"]).is_file()
+    assert results[2]["failed"]
+    assert results[2]["msg"].startswith(
+        "rtfleet sampler image: %s is not a directory" % (tmp_path / "nowhere")
+    )
 
 
 @pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed here")
 def test_podman_imports_the_image_with_its_environment_and_user(tmp_path, shminfer_wheel):
     """What the role does on a node: one `podman import` with the returned changes."""
-    wheelhouse, sha = _wheelhouse(tmp_path, shminfer_wheel)
-    built = build_image(_base(tmp_path / "base.tar"), find_bundle(wheelhouse, sha), tmp_path)
+    wheels = _release(tmp_path, shminfer_wheel)
+    built = build_image(_base(tmp_path / "base.tar"), wheels, tmp_path)
     tag = built["tag"] + "-test"
     changes = ["--change=" + change for change in built["changes"]]
     runroot = tempfile.mkdtemp(prefix="rtfleet-podman-", dir="/tmp")  # podman: <= 50 characters
@@ -291,3 +289,35 @@ def test_restores_remove_takes_off_the_sampler_images_and_no_other(tmp_path):
         reset = ["podman", "system", "reset", "-f"]
         subprocess.run(reset, check=False, env=env, capture_output=True)
         shutil.rmtree(runroot, ignore_errors=True)
+
+
+@pytest.mark.parametrize("complete", ["../../../../etc/cron.d", "", "0123456789abcdef"])
+def test_a_release_that_names_no_bundle_is_refused_in_one_line(tmp_path, complete):
+    """The node's `.complete` names the wheels' directory on the controller: anything but a
+    SHA-256 (a damaged or hostile node) is refused before a file is fetched or written."""
+    from test_sampler import LAB, LAB_POLICY
+
+    from rtfleet.plan_record import to_record
+    from rtfleet.planner import plan_partition
+    from rtfleet.topology import read_topology
+
+    tree = tmp_path / "tree"
+    with tarfile.open(LAB) as tar:
+        tar.extractall(tree, filter="data")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(to_record(plan_partition(read_topology(str(tree)), LAB_POLICY))))
+    (tmp_path / "prefix/current/wheels").mkdir(parents=True)
+    (tmp_path / "prefix/current/.complete").write_text(complete + "\n")
+    run = run_local_playbook(
+        REPO / "playbooks/samplers.yml",
+        "-e", f"rtfleet_host_plan_file={plan}",
+        "-e", "rtfleet_runtime_group=root rtfleet_runtime_user=root rtfleet_host_class=lab",
+        "-e", f"rtfleet_runtime_prefix={tmp_path / 'prefix'} rtfleet_report_dir={tmp_path / 'r'}",
+        "-e", f"rtfleet_sampler_container_smoke=true rtfleet_sampler_image_cache={tmp_path / 'c'}",
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert (
+        f"{tmp_path / 'prefix'}/current/.complete on localhost does not name a runtime bundle"
+        in run.stdout
+    )
+    assert not (tmp_path / "c").exists(), "nothing fetched or built"
