@@ -224,3 +224,49 @@ def test_tuner_refuses_malformed_hugepages_in_one_line_and_writes_nothing(tmp_pa
     assert len(run.stderr.strip().splitlines()) == 1 and "hugepages" in run.stderr
     assert pool.read_text() == before
     assert (root / "proc/sys/kernel/numa_balancing").read_text() == "1\n"  # nothing applied
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sets a sysctl (to the value it has) as root")
+def test_a_sysctl_the_running_kernel_lacks_is_persisted_and_not_set(tmp_path):
+    """The host role's sysctl step on this machine's own kernel: a key it has not (as
+    kernel.numa_balancing on a PREEMPT_RT kernel, which failed a site run on the drills' lab
+    host) is written for early boot only; one it has is set (to the value it already holds,
+    so this machine does not change) and written."""
+    from conftest import REPO, run_local_playbook
+
+    have = Path("/proc/sys/vm/swappiness").read_text().strip()
+    rt = Path("/proc/sys/kernel/sched_rt_runtime_us").read_text().strip()
+    conf = tmp_path / "90-rtfleet.conf"
+    play = [
+        {
+            "hosts": "localhost",
+            "gather_facts": False,
+            "tasks": [
+                {
+                    "ansible.builtin.include_role": {
+                        "name": "rtfleet.fleet.rtfleet_host",
+                        "tasks_from": "sysctls",
+                    },
+                    "vars": {
+                        "rtfleet_host_sysctls": {
+                            "kernel.rtfleet_no_such_knob": 0,
+                            "vm.swappiness": have,
+                        },
+                        "rtfleet_host_sysctls_extra": {},
+                        "rtfleet_host_sched_rt_runtime_us": rt,
+                    },
+                }
+            ],
+        }
+    ]
+    playbook = tmp_path / "sysctls.yml"
+    playbook.write_text(json.dumps(play))
+    run = run_local_playbook(playbook, "-e", f"__rtfleet_host_sysctl_file={conf}")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "kernel.rtfleet_no_such_knob=0 (not in this kernel: persisted only)" in run.stdout
+    lines = set(conf.read_text().splitlines())
+    assert {"kernel.rtfleet_no_such_knob=0", f"vm.swappiness={have}"} <= lines, lines
+    assert Path("/proc/sys/vm/swappiness").read_text().strip() == have
+    again = run_local_playbook(playbook, "-e", f"__rtfleet_host_sysctl_file={conf}")
+    assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-3000:]
+    assert REPO.joinpath("roles/rtfleet_host/tasks/sysctls.yml").is_file()
